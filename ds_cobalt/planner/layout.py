@@ -1,0 +1,223 @@
+"""Expert layouts: which logical expert each physical slot holds (the DESIGN.md layout-v1 format).
+
+Shapes: L layers, W = nodes * gpus_per_node ranks, S slots per rank, E logical experts.
+`slots_LWS[l, r, s]` is the logical expert in slot s of rank r (rank = node * G + local_rank), -1 = empty.
+
+Owner convention used by the runtime: the first E / W slots of every rank are *owner* slots (they hold
+the DeepSpeed parameters and the optimizer state) and together hold every expert exactly once; the other
+slots are *redundant* (replicas refreshed from the owner every step). `canonical_owner_order` reorders the
+slots inside each rank so that any valid layout follows the convention.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LAYOUT_FORMAT = "ds-cobalt/layout-v1"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A placement of E logical experts on nodes x gpus_per_node ranks with slots_per_gpu slots each."""
+
+    num_experts: int
+    nodes: int
+    gpus_per_node: int
+    slots_LWS: np.ndarray  # [L, W, S] int64, -1 = empty
+
+    def __post_init__(self) -> None:
+        slots = np.asarray(self.slots_LWS)
+        object.__setattr__(self, "slots_LWS", slots)
+        validate_layout(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.slots_LWS.shape[0])
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return int(self.slots_LWS.shape[2])
+
+    @property
+    def owner_slots_per_gpu(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def redundant_slots_per_gpu(self) -> int:
+        return self.slots_per_gpu - self.owner_slots_per_gpu
+
+    def layer(self, layer: int) -> np.ndarray:
+        """`[W, S]` slots of one layer."""
+        return self.slots_LWS[layer]
+
+    def replica_count(self, layer: int) -> np.ndarray:
+        """`[E]` number of slots holding each expert in `layer`."""
+        held = self.slots_LWS[layer].reshape(-1)
+        return np.bincount(held[held >= 0], minlength=self.num_experts)
+
+    def owner_rank(self, layer: int) -> np.ndarray:
+        """`[E]` rank owning each expert (requires the owner convention)."""
+        owners = self.slots_LWS[layer, :, : self.owner_slots_per_gpu]
+        rank_of = np.empty(self.num_experts, dtype=np.int64)
+        rank_of[owners.reshape(-1)] = np.repeat(np.arange(self.world_size), owners.shape[1])
+        return rank_of
+
+    def node_holds(self, layer: int) -> np.ndarray:
+        """`[N, E]` bool: node n holds at least one copy of expert e."""
+        slots = self.slots_LWS[layer].reshape(self.nodes, -1)
+        holds = np.zeros((self.nodes, self.num_experts), dtype=bool)
+        node_ids = np.repeat(np.arange(self.nodes), slots.shape[1])
+        flat = slots.reshape(-1)
+        keep = flat >= 0
+        holds[node_ids[keep], flat[keep]] = True
+        return holds
+
+    def to_json_dict(self) -> dict:
+        return {
+            "format": LAYOUT_FORMAT,
+            "num_experts": int(self.num_experts),
+            "nodes": int(self.nodes),
+            "gpus_per_node": int(self.gpus_per_node),
+            "slots_per_gpu": int(self.slots_per_gpu),
+            "layers": [{"slots": layer.tolist()} for layer in self.slots_LWS],
+        }
+
+
+def validate_layout(layout: Layout) -> None:
+    """Raise ValueError naming what is wrong with a layout."""
+    slots = layout.slots_LWS
+    E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
+    for name, value in (("num_experts", E), ("nodes", N), ("gpus_per_node", G)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"layout: {name} must be a positive integer, got {value!r}")
+    W = N * G
+    if E % W != 0:
+        raise ValueError(f"layout: num_experts={E} is not divisible by nodes*gpus_per_node={N}*{G}={W}")
+    if slots.ndim != 3 or not np.issubdtype(slots.dtype, np.integer):
+        raise ValueError(f"layout: slots must be an integer array [layers, ranks, slots], got {slots.dtype} {slots.shape}")
+    if slots.shape[0] < 1:
+        raise ValueError("layout: 'layers' is empty")
+    if slots.shape[1] != W:
+        raise ValueError(f"layout: each layer needs {W} ranks of slots (nodes*gpus_per_node), got {slots.shape[1]}")
+    if slots.shape[2] < E // W:
+        raise ValueError(f"layout: slots_per_gpu={slots.shape[2]} is below num_experts/world_size={E // W}")
+    bad = (slots < -1) | (slots >= E)
+    if bad.any():
+        layer, rank, slot = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(
+            f"layout: layer {layer} rank {rank} slot {slot} holds expert {int(slots[layer, rank, slot])}, "
+            f"outside [0, {E}) and not -1"
+        )
+    for layer in range(slots.shape[0]):
+        held = slots[layer][slots[layer] >= 0]
+        missing = np.setdiff1d(np.arange(E), held)
+        if missing.size:
+            raise ValueError(f"layout: layer {layer} is missing expert(s) {missing[:8].tolist()}")
+
+
+def contiguous_layout(num_experts: int, nodes: int, gpus_per_node: int, num_layers: int = 1) -> Layout:
+    """DeepSpeed's placement: rank r holds experts [r * E/W, (r + 1) * E/W)."""
+    W = nodes * gpus_per_node
+    if num_experts % W != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by nodes*gpus_per_node={W}")
+    per_rank = np.arange(num_experts, dtype=np.int64).reshape(W, num_experts // W)
+    return Layout(num_experts, nodes, gpus_per_node, np.repeat(per_rank[None], num_layers, axis=0))
+
+
+def canonical_owner_order(layout: Layout) -> Layout:
+    """Reorder slots inside each rank so the first E/W slots own every expert exactly once.
+
+    Owner choice is a bipartite matching (expert -> rank holding it, E/W owners per rank); raises
+    ValueError when no such choice exists (some rank holds too few distinct experts).
+    """
+    E, W, S = layout.num_experts, layout.world_size, layout.slots_per_gpu
+    per_rank = E // W
+    out = np.empty_like(layout.slots_LWS)
+    for layer in range(layout.num_layers):
+        slots = layout.slots_LWS[layer]
+        owner_of = _match_owners(slots, E, per_rank, layer)
+        for r in range(W):
+            owned = [e for e in slots[r] if e >= 0 and owner_of[e] == r]
+            rest = list(slots[r])
+            for e in owned:
+                rest.remove(e)
+            out[layer, r] = np.array(sorted(owned) + rest, dtype=np.int64)[:S]
+    return Layout(E, layout.nodes, layout.gpus_per_node, out)
+
+
+def _match_owners(slots_WS: np.ndarray, E: int, per_rank: int, layer: int) -> np.ndarray:
+    """Augmenting-path matching of experts to ranks with capacity per_rank each."""
+    holders = [np.unique(np.nonzero(slots_WS == e)[0]).tolist() for e in range(E)]
+    owner_of = np.full(E, -1, dtype=np.int64)
+    owned: list[list[int]] = [[] for _ in range(slots_WS.shape[0])]
+
+    def augment(e: int, seen: set[int], current: int = -1) -> bool:
+        for r in holders[e]:
+            if r == current or r in seen:
+                continue
+            seen.add(r)
+            displaced = None
+            if len(owned[r]) >= per_rank:
+                displaced = next((o for o in owned[r] if augment(o, seen, current=r)), None)
+                if displaced is None:
+                    continue
+                owned[r].remove(displaced)
+            owned[r].append(e)
+            owner_of[e] = r
+            return True
+        return False
+
+    # Rarest experts first keeps the search short.
+    for e in sorted(range(E), key=lambda e: len(holders[e])):
+        if not augment(e, set()):
+            raise ValueError(
+                f"layout: layer {layer} has no owner assignment with {per_rank} distinct experts per rank "
+                f"(expert {e} cannot be given an owner)"
+            )
+    return owner_of
+
+
+def load_layout(path: str | Path) -> Layout:
+    """Read a layout-v1 JSON file; errors name the bad field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"layout {path}: not valid JSON ({err})") from err
+    return layout_from_dict(data, source=str(path))
+
+
+def layout_from_dict(data: dict, source: str = "layout") -> Layout:
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object")
+    if data.get("format") != LAYOUT_FORMAT:
+        raise ValueError(f"{source}: 'format' must be {LAYOUT_FORMAT!r}, got {data.get('format')!r}")
+    for key in ("num_experts", "nodes", "gpus_per_node", "slots_per_gpu", "layers"):
+        if key not in data:
+            raise ValueError(f"{source}: missing key {key!r}")
+    layers = data["layers"]
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"{source}: 'layers' must be a non-empty list")
+    S = data["slots_per_gpu"]
+    W = data["nodes"] * data["gpus_per_node"]
+    for i, layer in enumerate(layers):
+        slots = layer.get("slots") if isinstance(layer, dict) else None
+        if not isinstance(slots, list) or len(slots) != W:
+            raise ValueError(f"{source}: layers[{i}].slots must list {W} ranks, got {type(slots).__name__}"
+                             f"{'' if not isinstance(slots, list) else f' of length {len(slots)}'}")
+        for r, row in enumerate(slots):
+            if not isinstance(row, list) or len(row) != S:
+                raise ValueError(f"{source}: layers[{i}].slots[{r}] must have slots_per_gpu={S} entries")
+    slots_LWS = np.array([layer["slots"] for layer in layers], dtype=np.int64)
+    return Layout(int(data["num_experts"]), int(data["nodes"]), int(data["gpus_per_node"]), slots_LWS)
+
+
+def save_layout(layout: Layout, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(layout.to_json_dict()) + "\n")
