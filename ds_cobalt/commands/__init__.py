@@ -1,0 +1,1 @@
+"""One module per `ds-cobalt` verb (see `ds_cobalt.cli.VERBS`)."""

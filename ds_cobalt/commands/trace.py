@@ -1,0 +1,48 @@
+"""`ds-cobalt trace`: routing trace tools (`synth`, `info`)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "routing trace tools: synth (synthetic trace), info (summary)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="trace_verb", required=True, metavar="ACTION")
+    synth = sub.add_parser("synth", help="write a synthetic trace with controllable skew and clustering")
+    synth.add_argument("--num-experts", type=int, required=True)
+    synth.add_argument("--top-k", type=int, required=True)
+    synth.add_argument("--tokens", type=int, required=True)
+    synth.add_argument("--layers", type=int, default=1)
+    synth.add_argument("--gini", type=float, default=0.3, help="load skew, Gini of expert popularity [0, 1)")
+    synth.add_argument("--clustering", type=float, default=0.6,
+                       help="share of a token's choices inside its co-activation cluster [0, 1)")
+    synth.add_argument("--clusters", type=int, default=None)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--out", required=True)
+    info = sub.add_parser("info", help="print shapes and statistics of a trace")
+    info.add_argument("trace")
+
+
+def run(args: argparse.Namespace) -> int:
+
+    from ..planner.stats import count_routing
+    from ..planner.trace import load_trace, save_trace
+    from ..sim.synth import gini, synth_trace
+
+    if args.trace_verb == "synth":
+        trace = synth_trace(num_experts=args.num_experts, top_k=args.top_k, num_tokens=args.tokens,
+                            num_layers=args.layers, gini=args.gini, clustering=args.clustering,
+                            num_clusters=args.clusters, seed=args.seed)
+        save_trace(trace, args.out)
+        print(f"wrote {args.out}: L={trace.num_layers} T={trace.num_tokens} K={trace.top_k} E={trace.num_experts}")
+        return 0
+    trace = load_trace(args.trace)
+    print(f"layers={trace.num_layers} tokens={trace.num_tokens} top_k={trace.top_k} "
+          f"num_experts={trace.num_experts} source_rank={'yes' if trace.source_rank_T is not None else 'no'} "
+          f"weights={'yes' if trace.weights_LTK is not None else 'no'}")
+    for layer in range(trace.num_layers):
+        load_E, _ = count_routing(trace.experts_LTK[layer], trace.num_experts)
+        print(f"layer {layer}: load gini {gini(load_E):.3f}, unused experts {int((load_E == 0).sum())}, "
+              f"dropped ids {int((trace.experts_LTK[layer] < 0).sum())}")
+    return 0

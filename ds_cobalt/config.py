@@ -1,0 +1,72 @@
+"""The `"cobalt"` section of a DeepSpeed JSON config, parsed and validated in one place.
+
+Every component gets one small frozen model; unknown keys and bad values raise `ValueError` naming the
+key path (for example `cobalt.topology.ranks_per_node`) and what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SECTION = "cobalt"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TopologyConfig(_Section):
+    """How ranks group into nodes. `ranks_per_node` overrides the launcher's LOCAL_WORLD_SIZE."""
+
+    ranks_per_node: int | None = Field(default=None, gt=0)
+
+
+class TrafficConfig(_Section):
+    """Traffic counters: log a per-layer summary every `log_interval` steps (0 = never)."""
+
+    log_interval: int = Field(default=0, ge=0)
+
+
+class CobaltConfig(_Section):
+    topology: TopologyConfig = TopologyConfig()
+    traffic: TrafficConfig = TrafficConfig()
+
+
+def parse_cobalt_config(section: Any) -> CobaltConfig:
+    """Validate a `"cobalt"` section (a dict, or None for defaults)."""
+    if section is None:
+        return CobaltConfig()
+    if not isinstance(section, dict):
+        raise ValueError(f"{SECTION}: expected an object, got {type(section).__name__}")
+    try:
+        return CobaltConfig.model_validate(section)
+    except ValidationError as err:
+        raise ValueError(_describe(err)) from None
+
+
+def split_deepspeed_config(config: str | Path | dict) -> tuple[dict, CobaltConfig]:
+    """Load a DeepSpeed config (path or dict); return it without the cobalt section, and that section parsed."""
+    if isinstance(config, (str, Path)):
+        try:
+            config = json.loads(Path(config).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"DeepSpeed config {config}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
+    rest = {key: value for key, value in config.items() if key != SECTION}
+    return rest, parse_cobalt_config(config.get(SECTION))
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        path = ".".join([SECTION, *(str(part) for part in item["loc"])])
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key")
+        else:
+            lines.append(f"{path}: {item['msg']} (got {item.get('input')!r})")
+    return "invalid ds_cobalt config: " + "; ".join(lines)

@@ -1,0 +1,154 @@
+"""`ds_cobalt.MoE`: DeepSpeed's MoE layer with ds_cobalt's layout-aware, deduplicating dispatcher.
+
+Same constructor, parameter names and return value `(output, l_aux, exp_counts)` as
+`deepspeed.moe.layer.MoE`, so state dicts, optimizer groups (`split_params_into_different_moe_groups_for_optimizer`),
+expert-data-parallel reduction and ZeRO-1/2 are unchanged. The gate is DeepSpeed's own `TopKGate`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from torch.func import functional_call
+
+from ..config import CobaltConfig
+from ..planner.layout import contiguous_layout
+from ..runtime.dispatch import combine, dispatch
+from ..runtime.experts import run_experts
+from ..runtime.placement import LayerPlacement, build_placement
+from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
+from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
+from ..runtime.traffic import TrafficCounters
+
+
+class MoE(DeepSpeedMoE):
+    """Drop-in for `deepspeed.moe.layer.MoE`.
+
+    Differences: `drop_tokens` defaults to False (dropless); pass True for DeepSpeed's capacity
+    semantics. Tutel and expert tensor parallelism are not supported. `cobalt_config` may also be
+    applied later by `ds_cobalt.initialize` (via `configure_cobalt`).
+    """
+
+    def __init__(self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1,
+                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = False, use_rts: bool = True, use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True,
+                 *, cobalt_config: CobaltConfig | None = None) -> None:
+        if use_tutel:
+            raise ValueError("ds_cobalt.MoE: use_tutel=True is not supported (ds_cobalt replaces the dispatcher)")
+        if enable_expert_tensor_parallelism:
+            raise ValueError("ds_cobalt.MoE: enable_expert_tensor_parallelism=True is not supported yet")
+        if num_experts % ep_size != 0:
+            raise ValueError(f"ds_cobalt.MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        self.cobalt_config = cobalt_config or CobaltConfig()
+        self.traffic = TrafficCounters()
+        self._groups: EPGroups | None = None
+        self._placement: LayerPlacement | None = None
+        self._replica_plan: ReplicaPlan | None = None
+
+    # ----- setup -----------------------------------------------------------------------------------
+    def configure_cobalt(self, config: CobaltConfig) -> None:
+        if self._groups is not None:
+            raise RuntimeError("configure_cobalt must run before deepspeed.initialize creates the process groups")
+        self.cobalt_config = config
+
+    def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
+        super()._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        ranks_per_node = detect_ranks_per_node(dist.get_world_size(), self.cobalt_config.topology.ranks_per_node)
+        self._set_groups(build_ep_groups(self.deepspeed_moe.ep_group, ranks_per_node))
+
+    def _set_groups(self, groups: EPGroups) -> None:
+        self._groups = groups
+        topo = groups.topology
+        self.set_layout(contiguous_layout(self.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
+
+    @property
+    def topology(self) -> Topology:
+        return self._require_groups().topology
+
+    @property
+    def layout_slots(self) -> np.ndarray:
+        """`[W, S]` slots of this layer's current layout (EP ranks)."""
+        if self._placement is None:
+            raise RuntimeError("ds_cobalt.MoE has no layout before its process groups exist")
+        return self._placement.slots_WS
+
+    def set_layout(self, slots_WS: np.ndarray) -> None:
+        """Use a new layout for this layer. Owner slots must stay as they are (moving owners is migration)."""
+        groups = self._require_groups()
+        topo = groups.topology
+        slots_WS = np.asarray(slots_WS, dtype=np.int64)
+        if slots_WS.ndim != 2 or slots_WS.shape[0] != topo.world_size:
+            raise ValueError(f"layout slots must be [{topo.world_size}, S], got {list(slots_WS.shape)}")
+        per_rank = self.num_local_experts
+        if self._placement is not None and not np.array_equal(
+                slots_WS[:, :per_rank], self._placement.slots_WS[:, :per_rank]):
+            raise ValueError("set_layout: owner slots differ from the current layout; moving owners needs migration")
+        device = self.deepspeed_moe.gate.wg.weight.device
+        self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, device)
+        self._replica_plan = plan_replicas(self._placement, topo.rank)
+
+    def _require_groups(self) -> EPGroups:
+        if self._groups is None:
+            if self.ep_size == 1 and not (dist.is_available() and dist.is_initialized()):
+                self._set_groups(EPGroups(Topology(1, 1, 0), (0,), None, None, None))
+            else:
+                raise RuntimeError("ds_cobalt.MoE needs its process groups: call deepspeed.initialize "
+                                   "(or ds_cobalt.initialize / set_deepspeed_parallelism) first")
+        return self._groups
+
+    # ----- forward ---------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor,
+                used_token: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        groups = self._require_groups()
+        moe = self.deepspeed_moe
+        d_model = hidden_states.shape[-1]
+        x_TD = hidden_states.reshape(-1, d_model)
+        # DeepSpeed's gate, sparse form: [K, T] expert ids (-1 = dropped) and weights.
+        l_aux, capacity, _, ids_KT, _, weights_KT, exp_counts = moe.gate(x_TD, used_token, True, False)
+        moe.l_aux, moe.exp_counts = l_aux, exp_counts
+
+        rows_QD, handle = dispatch(x_TD, ids_KT.t().long(), weights_KT.t(), self._placement, groups,
+                                   deepspeed_capacity=int(capacity))
+        slot_fns, anchor = self._slot_functions(groups)
+        out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts, slot_fns)
+        output = combine(out_QD, handle, groups).reshape(hidden_states.shape)
+        if anchor is not None:
+            output = output + anchor
+        self.traffic.add(handle.traffic)
+
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]
+            coef = torch.nn.functional.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, l_aux, exp_counts
+
+    def _slot_functions(self, groups: EPGroups):
+        """One callable per slot of this rank: owner experts, then replicas with fetched weights."""
+        experts = list(self.deepspeed_moe.experts.deepspeed_experts)
+        slot_fns: list = list(experts)
+        plan = self._replica_plan
+        if plan is None or self._placement.slots_per_rank == self.num_local_experts:
+            return slot_fns, None
+        names = [name for name, _ in experts[0].named_parameters()]
+        owner_params = [[p for _, p in expert.named_parameters()] for expert in experts]
+        fetched, anchor = fetch_replicas(owner_params, plan, groups)
+        template = experts[0]
+        for slot in range(self.num_local_experts, self._placement.slots_per_rank):
+            params = fetched.get(slot)
+            slot_fns.append(None if params is None else _bind(template, dict(zip(names, params))))
+        return slot_fns, anchor
+
+
+def _bind(module: torch.nn.Module, params: dict[str, torch.Tensor]):
+    return lambda rows: functional_call(module, params, (rows,))

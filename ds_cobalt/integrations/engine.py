@@ -1,0 +1,75 @@
+"""`ds_cobalt.initialize`: `deepspeed.initialize` plus the `"cobalt"` config section."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.utils import logger
+
+from ..config import CobaltConfig, split_deepspeed_config
+from ..runtime.traffic import sum_totals
+from .deepspeed_moe import MoE
+
+
+def cobalt_layers(model: torch.nn.Module) -> list[MoE]:
+    """The ds_cobalt MoE layers of a model (or of a DeepSpeed engine's module), in module order."""
+    module = getattr(model, "module", model)
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
+    """Cumulative traffic of this rank over all ds_cobalt layers: bytes/rows sent inter- and intra-node,
+    and what DeepSpeed's all-to-all would have sent inter-node for the same forwards (padded E x C
+    buffers, and the dropless one row per (token, expert))."""
+    return sum_totals([layer.traffic for layer in cobalt_layers(model)])
+
+
+def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
+               config: str | Path | dict | None = None, **kwargs: Any):
+    """Like `deepspeed.initialize`, and returns the same tuple; the config may carry a `"cobalt"` section.
+
+    The section is validated (errors name the bad key), applied to every ds_cobalt MoE layer of
+    `model`, and removed before DeepSpeed sees the config.
+    """
+    if model is None:
+        raise ValueError("ds_cobalt.initialize: model is required")
+    config = kwargs.pop("config_params", None) if config is None else config
+    if config is None and args is not None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    if config is None:
+        raise ValueError("ds_cobalt.initialize: pass config=<path or dict> or args.deepspeed_config")
+    ds_config, cobalt = split_deepspeed_config(config)
+    layers = cobalt_layers(model)
+    for layer in layers:
+        layer.configure_cobalt(cobalt)
+    result = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+    engine = result[0]
+    engine.cobalt_config = cobalt
+    if cobalt.traffic.log_interval and layers:
+        _log_traffic_every(engine, cobalt)
+    return result
+
+
+def _log_traffic_every(engine, cobalt: CobaltConfig) -> None:
+    step = engine.step
+    interval = cobalt.traffic.log_interval
+
+    @functools.wraps(step)
+    def step_and_log(*args: Any, **kwargs: Any):
+        out = step(*args, **kwargs)
+        if engine.global_steps % interval == 0 and engine.global_rank == 0:
+            totals = traffic_summary(engine)
+            ratio = totals["inter_node_bytes"] / max(1, totals["deepspeed_inter_node_bytes_padded"])
+            logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
+                        f"({ratio:.3f}x DeepSpeed's padded all-to-all), intra-node {totals['intra_node_bytes']} B")
+        return out
+
+    engine.step = step_and_log

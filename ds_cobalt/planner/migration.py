@@ -1,0 +1,52 @@
+"""Migration cost model: is moving expert owners worth it over the next replan interval?
+
+Legend: E experts. Bytes moved = experts changing owner node x (weights + optimizer state) bytes each;
+bytes saved = (old - new) cross-node tokens per token x tokens per step x bytes per token crossing x
+4 (dispatch + combine, forward + backward) x steps in the interval. Both are divided by the inter-node
+bandwidth; migrate when the saved time exceeds `margin` x the migration time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LinkModel", "moved_experts", "migration_worth_it"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """Sizes and bandwidth used by the cost model (defaults: bf16 weights, fp32 master + Adam moments)."""
+
+    expert_params: int = 3 * 4096 * 1408
+    weight_bytes_per_param: int = 2
+    optimizer_bytes_per_param: int = 12
+    token_bytes: int = 2 * 4096
+    inter_node_gbps: float = 50.0
+    margin: float = 1.5
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * (self.weight_bytes_per_param + self.optimizer_bytes_per_param)
+
+
+def moved_experts(old_node_of_E: np.ndarray, new_node_of_E: np.ndarray) -> int:
+    """Number of experts whose owner node changes."""
+    return int((np.asarray(old_node_of_E) != np.asarray(new_node_of_E)).sum())
+
+
+def migration_worth_it(
+    moved: int,
+    old_cross_per_token: float,
+    new_cross_per_token: float,
+    tokens_per_step: int,
+    interval_steps: int,
+    link: LinkModel = LinkModel(),
+) -> bool:
+    """True when the modelled saving over `interval_steps` beats `margin` x the migration cost."""
+    if moved == 0:
+        return False
+    cost_bytes = moved * link.expert_bytes
+    saved_bytes = (old_cross_per_token - new_cross_per_token) * tokens_per_step * link.token_bytes * 4 * interval_steps
+    return saved_bytes > link.margin * cost_bytes

@@ -1,0 +1,230 @@
+"""Placement policies (`ds-cobalt plan --policy`): one pure function per policy, one registry.
+
+Legend: T tokens, K top-k, E experts, N nodes, G GPUs per node, W = N * G ranks, S slots per rank,
+R spare (redundant) slots per rank.
+
+Each policy maps a `LayerInput` (statistics and sample tokens of one layer) and the topology to `[W, S]`
+slots following the owner convention (owners in the first E / W slots of each rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .assign import assign_tasks, remote_nodes_per_token
+from .eplb import eplb_layer
+from .layout import Layout, canonical_owner_order
+from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
+from .objective import PartitionState
+from .stage2 import node_loads, pack_node, plan_gpus, replicate_hot
+from .stats import RoutingStats, topk_sets
+from .trace import Trace
+
+__all__ = ["LayerInput", "POLICIES", "plan_layer", "plan_layout", "register_policy", "check_topology"]
+
+
+@dataclass(frozen=True)
+class LayerInput:
+    """What a policy may look at for one layer."""
+
+    stats: RoutingStats  # load_E, coact_EE, top-k set histogram
+    topk_ids_TK: np.ndarray  # [T, K] sample tokens (for evaluating candidates), -1 = none
+    source_rank_T: np.ndarray  # [T] their ranks
+    nodes: int
+    gpus_per_node: int
+    redundant_slots: int
+    current_slots_WS: np.ndarray | None = None  # [W, S] the layout in use, if any
+    seed: int = 0
+
+
+Policy = Callable[[LayerInput], np.ndarray]
+POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str) -> Callable[[Policy], Policy]:
+    def deco(fn: Policy) -> Policy:
+        POLICIES[name] = fn
+        return fn
+
+    return deco
+
+
+def check_topology(num_experts: int, nodes: int, gpus_per_node: int, redundant_slots: int = 0) -> None:
+    """ValueError naming the bad value when the topology cannot hold the experts."""
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if redundant_slots < 0:
+        raise ValueError(f"redundant_slots must be >= 0, got {redundant_slots}")
+    W = nodes * gpus_per_node
+    if num_experts % W:
+        raise ValueError(
+            f"nodes x gpus_per_node = {nodes} x {gpus_per_node} = {W} does not divide num_experts={num_experts}"
+        )
+
+
+def _current_nodes(inp: LayerInput, E: int) -> np.ndarray | None:
+    if inp.current_slots_WS is None:
+        return None
+    owners = inp.current_slots_WS[:, : E // (inp.nodes * inp.gpus_per_node)]
+    node_of_E = np.empty(E, dtype=np.int64)
+    node_of_E[owners.reshape(-1)] = np.repeat(np.arange(inp.nodes), owners.size // inp.nodes)
+    return node_of_E
+
+
+def _evaluate(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float]:
+    """(cross-node tokens per token, GPU load max/mean) of `slots_WS` on the sample tokens."""
+    T = inp.topk_ids_TK.shape[0]
+    if T == 0:
+        return 0.0, 1.0
+    dest, _ = assign_tasks(inp.topk_ids_TK, inp.source_rank_T, slots_WS, inp.gpus_per_node)
+    load_W = np.bincount(dest[dest >= 0], minlength=slots_WS.shape[0])
+    balance = float(load_W.max() / load_W.mean()) if load_W.sum() else 1.0
+    return float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean()), balance
+
+
+@register_policy("deepspeed")
+def deepspeed_policy(inp: LayerInput) -> np.ndarray:
+    """DeepSpeed: rank r owns experts [r E/W, (r+1) E/W); spare slots stay empty."""
+    E = inp.stats.num_experts
+    W = inp.nodes * inp.gpus_per_node
+    slots = np.full((W, E // W + inp.redundant_slots), -1, dtype=np.int64)
+    slots[:, : E // W] = np.arange(E).reshape(W, E // W)
+    return slots
+
+
+@register_policy("load")
+def load_policy(inp: LayerInput) -> np.ndarray:
+    """Load only (FlexMoE-like): owners LPT over all GPUs, hottest experts replicated anywhere."""
+    load_E = inp.stats.load_E.astype(np.float64)
+    W = inp.nodes * inp.gpus_per_node
+    R = inp.redundant_slots
+    # Step 1: replicas to the experts with most load per copy (at most one copy per GPU).
+    copies = np.minimum(replicate_hot(load_E, W * R), W)
+    per_copy = load_E / copies
+    ids = np.arange(load_E.size)
+    # Step 2: pack the whole cluster as one group of W GPUs, ignoring nodes.
+    return pack_node(per_copy, ids, np.repeat(per_copy, copies - 1), np.repeat(ids, copies - 1), W, R)
+
+
+@register_policy("eplb")
+def eplb_policy(inp: LayerInput) -> np.ndarray:
+    """DeepSeek EPLB, hierarchical (groups to nodes, replicas inside nodes, packing to GPUs)."""
+    return eplb_layer(inp.stats.load_E.astype(np.float64), inp.nodes, inp.gpus_per_node, inp.redundant_slots)
+
+
+def _node_load_NE(inp: LayerInput, node_of_E: np.ndarray, extra_NE: np.ndarray) -> np.ndarray:
+    holds_NE = extra_NE.copy()
+    holds_NE[node_of_E, np.arange(node_of_E.size)] = True
+    if inp.topk_ids_TK.shape[0] == 0:
+        return np.where(holds_NE, inp.stats.load_E[None, :] / holds_NE.sum(axis=0).clip(1), 0.0)
+    return node_loads(inp.topk_ids_TK, inp.source_rank_T // inp.gpus_per_node, holds_NE)
+
+
+@register_policy("pairwise")
+def pairwise_policy(inp: LayerInput) -> np.ndarray:
+    """Pairwise co-activation partition (Occult-like): minimise the co-activation cut between nodes,
+    then replicate each node's hottest experts inside the node."""
+    st = inp.stats
+    E, N = st.num_experts, inp.nodes
+    node_of_E = np.zeros(E, dtype=np.int64)
+    if N > 1:
+        # Step 1: the pair graph as 2-pin sets; its connectivity is the co-activation cut.
+        i, j = np.nonzero(np.triu(st.coact_EE, 1))
+        pairs_MK = np.stack([i, j], axis=1).astype(np.int64)
+        state = PartitionState(pairs_MK, st.coact_EE[i, j].astype(np.float64),
+                               greedy_coact_partition(st.load_E, st.coact_EE, N), N)
+        refine_swaps(state, st.load_E.astype(np.float64), 1.05 * st.load_E.sum() / N)
+        node_of_E = state.node_of_E
+    extra_NE = np.zeros((N, E), dtype=bool)
+    return plan_gpus(node_of_E, extra_NE, _node_load_NE(inp, node_of_E, extra_NE), inp.gpus_per_node,
+                     inp.redundant_slots)
+
+
+def _strip(sets_MK: np.ndarray, drop_E: np.ndarray) -> np.ndarray:
+    """Sets with the experts in `drop_E` (bool) removed (they are local on every node)."""
+    return topk_sets(np.where((sets_MK >= 0) & drop_E[np.maximum(sets_MK, 0)], -1, sets_MK))
+
+
+@register_policy("cobalt")
+def cobalt_policy(inp: LayerInput) -> np.ndarray:
+    """Stage 1 + stage 2, choosing owners and replicas together.
+
+    Candidates differ in how many of the hottest experts get a replica on every node (they then never
+    cause a crossing, so stage 1 partitions the other experts' sets without them); the rest of the spare
+    slots replicate each node's hottest experts. The candidate with the fewest cross-node tokens on the
+    sample tokens among those with GPU max/mean within 1.05 of the best balance is kept.
+    """
+    st = inp.stats
+    E, N, G, R = st.num_experts, inp.nodes, inp.gpus_per_node, inp.redundant_slots
+    current = _current_nodes(inp, E)
+    load_E = st.load_E.astype(np.float64)
+    everywhere_max = 0 if N == 1 else min(G * R, E)
+    options = sorted({0, everywhere_max // 4, everywhere_max // 2, (3 * everywhere_max) // 4, everywhere_max})
+    results: list[tuple[float, float, np.ndarray]] = []
+    for x in options:
+        # Step 1: the x hottest experts get a copy on every node.
+        hot = np.zeros(E, dtype=bool)
+        hot[np.argsort(-load_E, kind="stable")[:x]] = True
+        sets_MK = _strip(st.sets_MK, hot) if x else st.sets_MK
+        # Step 2: stage 1 on the remaining sets; replicated experts weigh 1/N on their owner node.
+        node_of_E = plan_nodes(np.where(hot, load_E / N, load_E), st.coact_EE, sets_MK, st.count_M, N,
+                               current_node_of_E=current, seed=inp.seed)
+        extra_NE = np.repeat(hot[None, :], N, axis=0)
+        # Step 3: stage 2, spare slots left over go to the node's hottest experts; pack GPUs.
+        slots = plan_gpus(node_of_E, extra_NE, _node_load_NE(inp, node_of_E, extra_NE), G, R)
+        traffic, balance = _evaluate(inp, slots)
+        results.append((traffic, balance, slots))
+    best_balance = min(r[1] for r in results)
+    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02)]
+    return min(ok, key=lambda r: r[0])[2]
+
+
+def plan_layer(policy: str, inp: LayerInput) -> np.ndarray:
+    """`[W, S]` slots of one layer by the named policy."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(sorted(POLICIES))}")
+    return POLICIES[policy](inp)
+
+
+def plan_layout(
+    trace: Trace,
+    nodes: int,
+    gpus_per_node: int,
+    redundant_slots: int = 0,
+    policy: str = "cobalt",
+    *,
+    current: Layout | None = None,
+    max_sample_tokens: int = 32768,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Layout:
+    """A layout for every layer of `trace` (statistics from all its tokens)."""
+    E = trace.num_experts
+    check_topology(E, nodes, gpus_per_node, redundant_slots)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(sorted(POLICIES))}")
+    W = nodes * gpus_per_node
+    src_T = trace.source_ranks(W)
+    T = trace.num_tokens
+    sample = np.linspace(0, T - 1, min(T, max_sample_tokens)).astype(np.int64) if T else np.zeros(0, np.int64)
+    out = []
+    for layer in range(trace.num_layers):
+        topk_TK = trace.experts_LTK[layer]
+        inp = LayerInput(
+            stats=RoutingStats.from_topk(topk_TK, E),
+            topk_ids_TK=topk_TK[sample],
+            source_rank_T=src_T[sample],
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            redundant_slots=redundant_slots,
+            current_slots_WS=None if current is None else current.layer(min(layer, current.num_layers - 1)),
+            seed=seed,
+        )
+        out.append(plan_layer(policy, inp))
+        if progress is not None:
+            progress(layer)
+    return canonical_owner_order(Layout(E, nodes, gpus_per_node, np.stack(out)))

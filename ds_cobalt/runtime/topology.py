@@ -1,0 +1,130 @@
+"""Node topology of an expert-parallel (EP) group and its two communication groups.
+
+An EP group of W = N * G ranks spans N nodes with G ranks each. The inter-node stage talks on the
+*rail* group (the ranks with the same local index on every node); the intra-node stage on the node
+group. Groups are created once, on every rank in the same order, and passed explicitly to the
+dispatcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.distributed as dist
+
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Position of one rank inside its EP group (EP-group ranks, not global ranks)."""
+
+    world_size: int  # W, ranks in the EP group
+    ranks_per_node: int  # G, EP-group ranks per node
+    rank: int  # this rank's index in the EP group
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node != 0:
+            raise ValueError(
+                f"expert-parallel world size {self.world_size} is not divisible by "
+                f"ranks_per_node={self.ranks_per_node} (set cobalt.topology.ranks_per_node)"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside [0, {self.world_size})")
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class EPGroups:
+    """The process groups of one EP group. `ep_ranks[i]` is the global rank of EP rank i."""
+
+    topology: Topology
+    ep_ranks: tuple[int, ...]
+    ep_group: dist.ProcessGroup | None
+    rail_group: dist.ProcessGroup | None  # ranks with this local index on every node, in node order
+    node_group: dist.ProcessGroup | None  # ranks of this node, in local order
+
+
+def detect_ranks_per_node(world_size: int, override: int | None = None,
+                          env: Mapping[str, str] | None = None) -> int:
+    """Ranks per node: the config override, else the launcher's local world size, else all ranks."""
+    if override is not None:
+        value, source = override, "cobalt.topology.ranks_per_node"
+    else:
+        env = os.environ if env is None else env
+        found = next(((name, env[name]) for name in _LOCAL_SIZE_VARS if env.get(name, "").isdigit()), None)
+        if found is None:
+            return world_size
+        value, source = int(found[1]), found[0]
+    if value < 1 or world_size % value != 0:
+        raise ValueError(f"world size {world_size} is not divisible by {source}={value}")
+    return value
+
+
+_GROUP_CACHE: dict[tuple, EPGroups] = {}
+
+
+def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int) -> EPGroups:
+    """Create (once per EP layout) the rail and node groups for every EP group; return this rank's.
+
+    `ranks_per_node` counts *global* ranks per node; nodes are blocks of consecutive global ranks,
+    as the DeepSpeed launcher assigns them. Collective: every rank must call it in the same order.
+    """
+    world = dist.get_world_size()
+    if world % ranks_per_node != 0:
+        raise ValueError(f"world size {world} is not divisible by ranks_per_node={ranks_per_node}")
+    my_ep_ranks = tuple(dist.get_process_group_ranks(ep_group)) if ep_group is not None else tuple(range(world))
+    key = (my_ep_ranks, ranks_per_node)
+    if key in _GROUP_CACHE:
+        return _GROUP_CACHE[key]
+
+    all_ep: list[tuple[int, ...] | None] = [None] * world
+    dist.all_gather_object(all_ep, my_ep_ranks)
+    ep_groups = sorted(set(all_ep))  # identical order on every rank
+
+    mine: dict[str, dist.ProcessGroup | None] = {}
+    topology = None
+    for members in ep_groups:
+        nodes = _split_by_node(members, ranks_per_node)
+        per_node = len(nodes[0])
+        rails = [tuple(node[j] for node in nodes) for j in range(per_node)]
+        for name, rank_sets in (("rail", rails), ("node", nodes)):
+            for ranks in rank_sets:
+                group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                if dist.get_rank() in ranks and members == my_ep_ranks:
+                    mine[name] = group
+        if members == my_ep_ranks:
+            topology = Topology(len(members), per_node, members.index(dist.get_rank()))
+    assert topology is not None
+    groups = EPGroups(topology, my_ep_ranks, ep_group, mine.get("rail"), mine.get("node"))
+    _GROUP_CACHE[key] = groups
+    return groups
+
+
+def _split_by_node(members: tuple[int, ...], ranks_per_node: int) -> list[tuple[int, ...]]:
+    by_node: dict[int, list[int]] = {}
+    for rank in sorted(members):
+        by_node.setdefault(rank // ranks_per_node, []).append(rank)
+    sizes = {len(ranks) for ranks in by_node.values()}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"expert-parallel group {list(members)} has different rank counts per node {sorted(sizes)} "
+            f"with ranks_per_node={ranks_per_node}; choose ep_size as a divisor or multiple of ranks_per_node"
+        )
+    # The EP-group rank order must be node-major for rank = node * G + local to hold.
+    if [r for ranks in by_node.values() for r in ranks] != list(members):
+        raise ValueError(f"expert-parallel group {list(members)} is not ordered node by node")
+    return [tuple(ranks) for ranks in by_node.values()]
