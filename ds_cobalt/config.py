@@ -31,9 +31,17 @@ class TrafficConfig(_Section):
     log_interval: int = Field(default=0, ge=0)
 
 
+class TraceConfig(_Section):
+    """Record the routing of the first `steps` optimizer steps to `path` (DESIGN.md trace format)."""
+
+    path: str | None = None
+    steps: int = Field(default=20, gt=0)
+
+
 class CobaltConfig(_Section):
     topology: TopologyConfig = TopologyConfig()
     traffic: TrafficConfig = TrafficConfig()
+    trace: TraceConfig = TraceConfig()
 
 
 def parse_cobalt_config(section: Any) -> CobaltConfig:

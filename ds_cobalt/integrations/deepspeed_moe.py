@@ -21,6 +21,7 @@ from ..runtime.dispatch import combine, dispatch
 from ..runtime.experts import run_experts
 from ..runtime.placement import LayerPlacement, build_placement
 from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
+from ..runtime.stats import DeviceRoutingStats
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
 
@@ -53,6 +54,8 @@ class MoE(DeepSpeedMoE):
         self._groups: EPGroups | None = None
         self._placement: LayerPlacement | None = None
         self._replica_plan: ReplicaPlan | None = None
+        self.stats = DeviceRoutingStats(num_experts, k)
+        self.trace_rows: list[torch.Tensor] | None = None  # top-k ids per forward while a trace records
 
     # ----- setup -----------------------------------------------------------------------------------
     def configure_cobalt(self, config: CobaltConfig) -> None:
@@ -92,6 +95,11 @@ class MoE(DeepSpeedMoE):
         if self._placement is not None and not np.array_equal(
                 slots_WS[:, :per_rank], self._placement.slots_WS[:, :per_rank]):
             raise ValueError("set_layout: owner slots differ from the current layout; moving owners needs migration")
+        self._install_layout(slots_WS)
+
+    def _install_layout(self, slots_WS: np.ndarray) -> None:
+        """Switch lookup tables to `slots_WS`; the caller guarantees the owner parameters match it."""
+        topo = self._require_groups().topology
         device = self.deepspeed_moe.gate.wg.weight.device
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, device)
         self._replica_plan = plan_replicas(self._placement, topo.rank)
@@ -115,8 +123,12 @@ class MoE(DeepSpeedMoE):
         # DeepSpeed's gate, sparse form: [K, T] expert ids (-1 = dropped) and weights.
         l_aux, capacity, _, ids_KT, _, weights_KT, exp_counts = moe.gate(x_TD, used_token, True, False)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        topk_ids_TK = ids_KT.t().long()
+        self.stats.update(topk_ids_TK)
+        if self.trace_rows is not None:
+            self.trace_rows.append(topk_ids_TK.detach().cpu())
 
-        rows_QD, handle = dispatch(x_TD, ids_KT.t().long(), weights_KT.t(), self._placement, groups,
+        rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
                                    deepspeed_capacity=int(capacity))
         slot_fns, anchor = self._slot_functions(groups)
         out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts, slot_fns)

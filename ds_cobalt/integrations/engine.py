@@ -6,7 +6,7 @@ import argparse
 import copy
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import deepspeed
 import torch
@@ -53,23 +53,57 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     result = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
     engine = result[0]
     engine.cobalt_config = cobalt
-    if cobalt.traffic.log_interval and layers:
-        _log_traffic_every(engine, cobalt)
+    if layers:
+        _install_step_hooks(engine, _step_hooks(engine, cobalt))
     return result
 
 
-def _log_traffic_every(engine, cobalt: CobaltConfig) -> None:
+StepHook = Callable[[Any], None]
+
+
+def _step_hooks(engine, cobalt: CobaltConfig) -> list[StepHook]:
+    """The work ds_cobalt does after each optimizer step, as configured."""
+    hooks: list[StepHook] = []
+    if cobalt.traffic.log_interval:
+        hooks.append(functools.partial(_log_traffic, interval=cobalt.traffic.log_interval))
+    if cobalt.trace.path:
+        from .trace import save_trace, start_trace, stop_trace
+
+        start_trace(engine)
+
+        def trace_hook(engine) -> None:
+            if engine.global_steps == cobalt.trace.steps:
+                save_trace(engine, cobalt.trace.path)
+                stop_trace(engine)
+                if engine.global_rank == 0:
+                    logger.info(f"ds_cobalt: wrote routing trace of {cobalt.trace.steps} steps to {cobalt.trace.path}")
+
+        hooks.append(trace_hook)
+    return hooks
+
+
+def _install_step_hooks(engine, hooks: list[StepHook]) -> None:
+    """Run `hooks` after every `engine.step()` (only at gradient-accumulation boundaries)."""
+    if not hooks:
+        return
     step = engine.step
-    interval = cobalt.traffic.log_interval
 
     @functools.wraps(step)
-    def step_and_log(*args: Any, **kwargs: Any):
+    def step_then_hooks(*args: Any, **kwargs: Any):
+        boundary = engine.is_gradient_accumulation_boundary()
         out = step(*args, **kwargs)
-        if engine.global_steps % interval == 0 and engine.global_rank == 0:
-            totals = traffic_summary(engine)
-            ratio = totals["inter_node_bytes"] / max(1, totals["deepspeed_inter_node_bytes_padded"])
-            logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
-                        f"({ratio:.3f}x DeepSpeed's padded all-to-all), intra-node {totals['intra_node_bytes']} B")
+        if boundary:
+            for hook in hooks:
+                hook(engine)
         return out
 
-    engine.step = step_and_log
+    engine.step = step_then_hooks
+
+
+def _log_traffic(engine, interval: int) -> None:
+    if engine.global_steps % interval or engine.global_rank != 0:
+        return
+    totals = traffic_summary(engine)
+    ratio = totals["inter_node_bytes"] / max(1, totals["deepspeed_inter_node_bytes_padded"])
+    logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
+                f"({ratio:.3f}x DeepSpeed's padded all-to-all), intra-node {totals['intra_node_bytes']} B")

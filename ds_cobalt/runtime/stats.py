@@ -1,0 +1,55 @@
+"""On-device routing statistics of one MoE layer: expert load, co-activation, recent top-k rows.
+
+Legend: T tokens, K routes, E experts, B sample buffer rows. `update` never syncs with the host;
+`snapshot` does once (NOTE: host sync), when the planner asks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class DeviceRoutingStats:
+    """Counts since the last `reset`: `load_E`, `coact_EE` (pairs of distinct experts chosen by one token)
+    and a ring buffer of the latest `sample_tokens` top-k rows (for top-k set histograms, k > 2)."""
+
+    def __init__(self, num_experts: int, top_k: int, sample_tokens: int = 8192,
+                 device: torch.device | str = "cpu") -> None:
+        self.num_experts = num_experts
+        self.load_E = torch.zeros(num_experts, dtype=torch.float64, device=device)
+        self.coact_EE = torch.zeros((num_experts, num_experts), dtype=torch.float64, device=device)
+        self.sample_BK = torch.full((sample_tokens, top_k), -1, dtype=torch.long, device=device)
+        self.tokens = 0  # tokens counted (host int; shapes are known on the host)
+
+    def update(self, topk_ids_TK: torch.Tensor) -> None:
+        if self.load_E.device != topk_ids_TK.device:  # the model moved after construction
+            self.load_E, self.coact_EE, self.sample_BK = (
+                t.to(topk_ids_TK.device) for t in (self.load_E, self.coact_EE, self.sample_BK))
+        T, K = topk_ids_TK.shape
+        ids = topk_ids_TK.long()
+        valid = ids >= 0
+        multi_hot_TE = torch.zeros((T, self.num_experts), dtype=torch.float32, device=ids.device)
+        multi_hot_TE.scatter_(1, ids.clamp(min=0), valid.float())
+        multi_hot_TE.clamp_(max=1.0)
+        self.load_E += multi_hot_TE.sum(0).double()
+        coact = multi_hot_TE.t() @ multi_hot_TE
+        coact.fill_diagonal_(0)
+        self.coact_EE += coact.double()
+        B = self.sample_BK.shape[0]
+        rows = torch.arange(self.tokens, self.tokens + T, device=ids.device) % B
+        keep = min(T, B)
+        self.sample_BK[rows[-keep:], : K] = ids[-keep:] if keep else ids[:0]
+        self.tokens += T
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(load_E, coact_EE, sample_BK)` on the host; sample rows never written stay -1."""
+        filled = min(self.tokens, self.sample_BK.shape[0])
+        return (self.load_E.cpu().numpy(), self.coact_EE.cpu().numpy(),  # NOTE: host sync
+                self.sample_BK[:filled].cpu().numpy())
+
+    def reset(self) -> None:
+        self.load_E.zero_()
+        self.coact_EE.zero_()
+        self.sample_BK.fill_(-1)
+        self.tokens = 0
