@@ -1,0 +1,268 @@
+"""Train a small byte-level MoE transformer on Python's standard-library source with DeepSpeed.
+
+    deepspeed --num_gpus 4 examples/train_moe.py \
+        --deepspeed_config ds_config_templates/cpu_2nodes_x_2ranks.json [--moe-impl cobalt|deepspeed]
+
+``--moe-impl deepspeed`` uses ``deepspeed.moe.layer.MoE`` and ``deepspeed.initialize``; ``--moe-impl cobalt``
+uses ``ds_cobalt.MoE`` and ``ds_cobalt.initialize`` (same constructor, same return values). For the same
+seed both see the same data and the same initial weights, so their losses match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
+from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    import deepspeed
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--moe-impl", choices=["cobalt", "deepspeed"], default="cobalt")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--metrics-out", type=str, default=None, help="write per-step losses, tokens/s, traffic")
+    p.add_argument("--trace-out", type=str, default=None, help="write the routing trace (.npz) on rank 0")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--d-ff", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--moe-every", type=int, default=1, help="1 = every layer is MoE, 2 = every other layer")
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--ep-size", type=int, default=0, help="expert-parallel size (0 = world size)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--min-capacity", type=int, default=4)
+    p.add_argument("--no-drop-tokens", action="store_true", help="dropless routing (capacity = max load)")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01)
+    p.add_argument("--corpus-bytes", type=int, default=8 << 20)
+    p.add_argument("--log-every", type=int, default=10, help="log lines when stderr is not a terminal")
+    p = deepspeed.add_config_arguments(p)
+    args = p.parse_args(argv)
+    if args.deepspeed_config is None:
+        p.error("--deepspeed_config is required")
+    return args
+
+
+def read_config(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def ranks_per_node(config: dict[str, Any]) -> int:
+    """Node size for the traffic report: ``cobalt.topology.ranks_per_node`` or the launcher's LOCAL_SIZE."""
+    override = config.get("cobalt", {}).get("topology", {}).get("ranks_per_node")
+    if override:
+        return int(override)
+    return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+
+
+def moe_class(impl: str) -> type[torch.nn.Module]:
+    if impl == "cobalt":
+        import ds_cobalt
+
+        return ds_cobalt.MoE
+    from deepspeed.moe.layer import MoE
+
+    return MoE
+
+
+def initialize(impl: str, model: torch.nn.Module, config_path: str, config: dict[str, Any]) -> Any:
+    """Build the engine; DeepSpeed itself never sees the ``"cobalt"`` section."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"}
+    )
+    if impl == "cobalt":
+        import ds_cobalt
+
+        engine, *_ = ds_cobalt.initialize(args=None, model=model, model_parameters=groups, config=config_path)
+    else:
+        import deepspeed
+
+        ds_config = {k: v for k, v in copy.deepcopy(config).items() if k != "cobalt"}
+        engine, *_ = deepspeed.initialize(args=None, model=model, model_parameters=groups, config=ds_config)
+    return engine
+
+
+def traffic_summary(
+    impl: str, model: torch.nn.Module, meter: DeepSpeedTrafficMeter | None, steps: int
+) -> dict:
+    if impl == "cobalt":
+        import ds_cobalt
+
+        summary = dict(ds_cobalt.traffic_summary(model))
+    else:
+        assert meter is not None
+        summary = meter.summary(steps)
+    return {k: int(summary.get(k, 0)) for k in TRAFFIC_KEYS}
+
+
+def all_reduce_sum(summary: dict[str, int]) -> dict[str, int]:
+    keys = [k for k in TRAFFIC_KEYS if k != "steps"]
+    t = torch.tensor([summary[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    out = {k: int(v) for k, v in zip(keys, t.tolist())}
+    out["steps"] = summary["steps"]
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_threads_from_env()
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=None)  # gloo on the CPU accelerator, nccl on CUDA
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = read_config(args.deepspeed_config)
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank and for both implementations
+    cfg = ModelConfig(
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        n_layers=args.n_layers,
+        d_ff=args.d_ff,
+        seq_len=args.seq_len,
+        moe_every=args.moe_every,
+        num_experts=args.num_experts,
+        ep_size=args.ep_size or world,
+        k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        min_capacity=args.min_capacity,
+        drop_tokens=not args.no_drop_tokens,
+    )
+    model = MoELM(cfg, moe_class(args.moe_impl))
+    engine = initialize(args.moe_impl, model, args.deepspeed_config, config)
+    meter = DeepSpeedTrafficMeter(model, ranks_per_node(config)) if args.moe_impl == "deepspeed" else None
+    recorder = RoutingRecorder(model) if args.trace_out else None
+
+    corpus = load_corpus(args.corpus_bytes)
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    tokens_per_step = world * micro * gas * args.seq_len
+    dtype = next(p for p in engine.module.parameters()).dtype
+    torch.manual_seed(args.seed + 1)  # same gate noise / RTS draws on every run with this seed
+
+    losses: list[float] = []
+    step_times: list[float] = []
+    tty = sys.stderr.isatty()
+    bar = None
+    if rank == 0 and tty:
+        from tqdm import tqdm
+
+        # a pseudo-terminal may report a 0 x 0 size, which makes tqdm print nothing
+        cols, rows = shutil.get_terminal_size((100, 20))
+        bar = tqdm(total=args.steps, desc=f"train ({args.moe_impl})", unit="step", ncols=cols, nrows=rows)
+    t_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for micro_step in range(gas):
+            ids, targets = batch_for_rank(
+                corpus,
+                seed=args.seed,
+                step=step * gas + micro_step,
+                rank=rank,
+                world_size=world,
+                micro_batch=micro,
+                seq_len=args.seq_len,
+            )
+            loss, lm_loss, _ = engine(ids.to(engine.device), targets.to(engine.device), args.aux_loss_coef)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().to("cpu", torch.float64) / gas
+        dist.all_reduce(step_loss)  # mean over ranks
+        losses.append(step_loss.item() / world)  # NOTE: host sync
+        step_times.append(time.perf_counter() - t0)
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}")
+            bar.update()
+        elif rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(
+                f"[train_moe] step {step + 1}/{args.steps} loss {losses[-1]:.4f} "
+                f"tokens/s {tokens_per_step / step_times[-1]:.0f}",
+                flush=True,
+            )
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t_start
+    # first step includes lazy init (optimizer state, comm buffers): leave it out of the rate when possible
+    timed = step_times[1:] or step_times
+    tokens_per_s = tokens_per_step * len(timed) / sum(timed)
+
+    local = traffic_summary(args.moe_impl, model, meter, args.steps)
+    total = all_reduce_sum(local)
+    if recorder is not None:
+        recorder.save(args.trace_out)
+
+    if rank == 0:
+        padded = total["deepspeed_inter_node_bytes_padded"]
+        dropless = total["deepspeed_inter_node_bytes_dropless"]
+        sent = total["inter_node_bytes"]
+        print(
+            f"\n=== train_moe report ({args.moe_impl}, {world} ranks, {args.steps} steps, {wall:.1f} s) ==="
+        )
+        print(f"final loss            {losses[-1]:.4f} (first {losses[0]:.4f})")
+        print(f"tokens/s              {tokens_per_s:.0f} ({tokens_per_step} tokens/step)")
+        print(f"cross-node bytes      {fmt_bytes(sent)} (summed over ranks, forward dispatch + combine)")
+        print(f"DeepSpeed all-to-all  {fmt_bytes(padded)} padded E x C, {fmt_bytes(dropless)} dropless")
+        if padded:
+            print(
+                f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"
+            )
+        if args.metrics_out:
+            metrics = {
+                "moe_impl": args.moe_impl,
+                "world_size": world,
+                "ranks_per_node": ranks_per_node(config),
+                "steps": args.steps,
+                "seed": args.seed,
+                "tokens_per_step": tokens_per_step,
+                "losses": losses,
+                "final_loss": losses[-1],
+                "tokens_per_s": tokens_per_s,
+                "wall_s": wall,
+                "step_times_s": step_times,
+                "traffic": total,
+                "traffic_rank0": local,
+                "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+                "dtype": str(dtype),
+            }
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.metrics_out, "w") as f:
+                json.dump(metrics, f, indent=1)
+        if not all(math.isfinite(x) for x in losses):
+            raise SystemExit("non-finite loss")
+    dist.barrier()
+    # without this gloo aborts at interpreter exit ("terminate called without an active exception")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install everything (scripts/setup.sh), then run the test suite. Extra arguments go to pytest.
+#   bash scripts/test.sh            # everything (about 2-3 minutes here)
+#   bash scripts/test.sh -m "not slow"
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+# pytest's own exit code is the result; 5 (no tests collected) fails too.
+OMP_NUM_THREADS=1 exec "$PY" -m pytest -ra tests "$@"
