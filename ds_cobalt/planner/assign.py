@@ -63,16 +63,17 @@ def _check_inputs(
         raise ValueError(f"assign_tasks: gpus_per_node={gpus_per_node} does not divide the {W} ranks")
     if src.size and (int(src.min()) < 0 or int(src.max()) >= W):
         raise ValueError(f"assign_tasks: source_rank_T holds ranks outside [0, {W})")
-    E = int(max(slots.max(initial=-1), topk.max(initial=-1))) + 1
-    held = np.zeros(E, dtype=bool)
-    held[slots[slots >= 0]] = True
-    wanted = topk[topk >= 0]
-    if wanted.size and not held[wanted].all():
-        missing = np.unique(wanted[~held[wanted]])
-        raise ValueError(f"assign_tasks: expert(s) {missing[:8].tolist()} are chosen but held by no slot")
     if topk.size and int(topk.min()) < -1:
         raise ValueError("assign_tasks: topk_ids_TK holds ids below -1")
-    return topk.astype(np.int64), src.astype(np.int64), slots.astype(np.int64), E
+    E = int(max(slots.max(initial=-1), topk.max(initial=-1))) + 1
+    held = np.zeros(E + 1, dtype=bool)  # index E stands for -1 (always "held")
+    held[slots[slots >= 0]] = True
+    held[E] = True
+    if not held[topk].all():
+        wanted = topk[topk >= 0]
+        missing = np.unique(wanted[~held[wanted]])
+        raise ValueError(f"assign_tasks: expert(s) {missing[:8].tolist()} are chosen but held by no slot")
+    return topk.astype(np.int64, copy=False), src.astype(np.int64, copy=False), slots.astype(np.int64, copy=False), E
 
 
 def _tie_break(num_rows: int, N: int, row_ids: np.ndarray) -> np.ndarray:
@@ -127,31 +128,28 @@ def assign_tasks(
     N = W // G
     tables = layout_tables(slots, G, E)
     holds_NE, slot_of_WE, replicas_NE = tables["holds_NE"], tables["slot_of_WE"], tables["replicas_NE"]
-    dest_rank_TK = np.full((T, K), -1, dtype=np.int64)
-    dest_slot_TK = np.full((T, K), -1, dtype=np.int64)
     if T == 0:
-        return dest_rank_TK, dest_slot_TK
+        return np.full((T, K), -1, dtype=np.int64), np.full((T, K), -1, dtype=np.int64)
 
-    # Step 1: local experts: served on the token's own node.
-    valid_TK = topk >= 0
-    e_TK = np.where(valid_TK, topk, 0)
-    src_node_T = src_T // G
-    node_TK = np.where(valid_TK & holds_NE[src_node_T[:, None], e_TK], src_node_T[:, None], -1)
-
-    # Step 2: experts held by a single node are forced there.
+    # Steps 1-2 in one lookup: `direct_NE[s, e]` is the node serving e for a token on node s when that
+    # choice does not depend on the rest of the token's set (own node holds e, or a single node does);
+    # -1 = several remote holders (decided per token below); column E stands for dropped ids (-> -2).
     holder_count_E = holds_NE.sum(axis=0)
     only_node_E = np.argmax(holds_NE, axis=0)
-    forced_TK = valid_TK & (node_TK < 0) & (holder_count_E[e_TK] == 1)
-    node_TK = np.where(forced_TK, only_node_E[e_TK], node_TK)
-
-    pending_TK = valid_TK & (node_TK < 0)
+    direct_NE = np.where(holds_NE, np.arange(N)[:, None], np.where(holder_count_E == 1, only_node_E, -1)[None, :])
+    direct_NE = np.concatenate([direct_NE, np.full((N, 1), -2, dtype=np.int64)], axis=1)  # column E: id -1
+    valid_TK = topk >= 0
+    src_node_T = src_T // G
+    flat_TK = (src_node_T * (E + 1))[:, None] + np.where(valid_TK, topk, E)
+    node_TK = np.take(direct_NE.reshape(-1), flat_TK)
+    pending_TK = node_TK == -1
     if pending_TK.any():
         rows = np.nonzero(pending_TK.any(axis=1))[0]
         _cover_replicated(rows, topk, node_TK, pending_TK, holds_NE, src_node_T, N, exact)
+    node_TK = np.maximum(node_TK, -1)
 
     # Step 5: inside each node, pick the GPU; split replicated experts to even out GPU load.
-    _choose_ranks(topk, node_TK, valid_TK, slot_of_WE, replicas_NE, G, dest_rank_TK, dest_slot_TK)
-    return dest_rank_TK, dest_slot_TK
+    return _choose_ranks(topk, node_TK, slot_of_WE, replicas_NE, G)
 
 
 def _cover_replicated(
@@ -214,43 +212,47 @@ def _cover_replicated(
 
 
 def _choose_ranks(
-    topk: np.ndarray,
-    node_TK: np.ndarray,
-    valid_TK: np.ndarray,
-    slot_of_WE: np.ndarray,
-    replicas_NE: np.ndarray,
-    G: int,
-    dest_rank_TK: np.ndarray,
-    dest_slot_TK: np.ndarray,
-) -> None:
-    """Step 5: rank and slot per pair; water-fill replicated (node, expert) groups over their GPUs."""
+    topk: np.ndarray, node_TK: np.ndarray, slot_of_WE: np.ndarray, replicas_NE: np.ndarray, G: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Step 5: `(dest_rank_TK, dest_slot_TK)`; replicated (node, expert) groups water-filled over their GPUs.
+
+    Everything per pair is a table lookup on the flat (node, expert) id; only the replicated groups
+    (at most N * G * R of them) are looped over, largest first (LPT), each water-filled over its replicas'
+    ranks given the load placed so far; inside a group, tokens go to ranks in token order.
+    """
     W, E = slot_of_WE.shape
-    t_idx, k_idx = np.nonzero(valid_TK)
-    e_P = topk[t_idx, k_idx]
-    n_P = node_TK[t_idx, k_idx]
-    # Single-copy pairs: the one rank in the node holding e.
-    held_NGE = (slot_of_WE >= 0).reshape(-1, G, E)
-    first_local_NE = np.argmax(held_NGE, axis=1)  # [N, E] local rank of the first copy
-    rank_P = n_P * G + first_local_NE[n_P, e_P]
-    multi_P = replicas_NE[n_P, e_P] > 1
-    load_W = np.bincount(rank_P[~multi_P], minlength=W).astype(np.int64)
-    if multi_P.any():
-        mi = np.nonzero(multi_P)[0]
-        group = n_P[mi] * E + e_P[mi]
-        order = np.argsort(group, kind="stable")
-        mi, group = mi[order], group[order]
-        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-        ends = np.r_[starts[1:], group.size]
-        # Largest groups first (LPT), each water-filled over its replicas' ranks.
-        for g in np.argsort(-(ends - starts), kind="stable"):
-            members = mi[starts[g] : ends[g]]
-            n, e = divmod(int(group[starts[g]]), E)
-            ranks = n * G + np.nonzero(held_NGE[n, :, e])[0]
-            share = _water_fill(load_W[ranks], members.size)
-            rank_P[members] = np.repeat(ranks, share)
+    N = W // G
+    held_NGE = (slot_of_WE >= 0).reshape(N, G, E)
+    rank_NE = np.arange(N)[:, None] * G + np.argmax(held_NGE, axis=1)  # first copy in the node
+    multi_NE = replicas_NE > 1
+    # Flat (node, expert) id per pair; N * E = dropped.
+    flat_TK = np.where(node_TK >= 0, node_TK * E + topk, N * E)
+    rank_TK = np.take(np.append(rank_NE.reshape(-1), -1), flat_TK)
+    if multi_NE.any():
+        count_F = np.bincount(flat_TK.reshape(-1), minlength=N * E + 1)[: N * E]
+        single_F = ~multi_NE.reshape(-1)
+        load_W = np.bincount(rank_NE.reshape(-1)[single_F], weights=count_F[single_F], minlength=W).astype(np.int64)
+        groups = np.flatnonzero(~single_F & (count_F > 0))
+        ranks_of: dict[int, np.ndarray] = {}
+        share_of: dict[int, np.ndarray] = {}
+        for f in groups[np.argsort(-count_F[groups], kind="stable")]:
+            n, e = divmod(int(f), E)
+            ranks = n * G + np.flatnonzero(held_NGE[n, :, e])
+            share = _water_fill(load_W[ranks], int(count_F[f]))
             load_W[ranks] += share
-    dest_rank_TK[t_idx, k_idx] = rank_P
-    dest_slot_TK[t_idx, k_idx] = slot_of_WE[rank_P, e_P]
+            ranks_of[int(f)], share_of[int(f)] = ranks, share
+        if groups.size:
+            # Compact group index per pair (0 = not replicated), small ints so the stable sort is a radix sort.
+            gid_F = np.zeros(N * E + 1, dtype=np.uint8 if groups.size < 255 else np.int32)
+            gid_F[groups] = np.arange(1, groups.size + 1)
+            gid_X = np.take(gid_F, flat_TK.reshape(-1))
+            members = np.flatnonzero(gid_X)
+            members = members[np.argsort(gid_X[members], kind="stable")]  # by group, token order
+            all_ranks = np.concatenate([ranks_of[int(f)] for f in groups])
+            all_share = np.concatenate([share_of[int(f)] for f in groups])
+            rank_TK.reshape(-1)[members] = np.repeat(all_ranks, all_share)
+    slot_TK = np.take(np.append(slot_of_WE.reshape(-1), -1), np.where(rank_TK >= 0, rank_TK * E + topk, W * E))
+    return rank_TK, slot_TK
 
 
 def _water_fill(load_R: np.ndarray, amount: int) -> np.ndarray:

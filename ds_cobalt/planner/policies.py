@@ -19,6 +19,7 @@ from .eplb import eplb_layer
 from .layout import Layout, canonical_owner_order
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
 from .objective import PartitionState
+from .replicas import ReplicaPartitionState, traffic_replicas
 from .stage2 import node_loads, pack_node, plan_gpus, replicate_hot
 from .stats import RoutingStats, topk_sets
 from .trace import Trace
@@ -153,17 +154,23 @@ def _strip(sets_MK: np.ndarray, drop_E: np.ndarray) -> np.ndarray:
 def cobalt_policy(inp: LayerInput) -> np.ndarray:
     """Stage 1 + stage 2, choosing owners and replicas together.
 
-    Candidates differ in how many of the hottest experts get a replica on every node (they then never
-    cause a crossing, so stage 1 partitions the other experts' sets without them); the rest of the spare
-    slots replicate each node's hottest experts. The candidate with the fewest cross-node tokens on the
-    sample tokens among those with GPU max/mean within 1.05 of the best balance is kept.
+    Candidates differ in how the G * R spare slots of a node are used:
+    - x of them hold the x hottest experts on every node (they then never cause a crossing, and their load
+      splits over the nodes by where tokens live), so stage 1 partitions the other experts' sets;
+    - y of them hold per-node traffic copies (`traffic_replicas`: the experts whose copy on that node
+      removes the most remote nodes from its tokens, given the owners);
+    - the rest replicate each node's hottest experts inside the node (GPU balance).
+    Every candidate is scored with `assign_tasks` on the sample tokens; the fewest cross-node tokens among
+    those with GPU max/mean within max(1.05, 1.02 x best) of the best balance wins.
     """
     st = inp.stats
     E, N, G, R = st.num_experts, inp.nodes, inp.gpus_per_node, inp.redundant_slots
     current = _current_nodes(inp, E)
     load_E = st.load_E.astype(np.float64)
-    everywhere_max = 0 if N == 1 else min(G * R, E)
+    spare = 0 if N == 1 else G * R
+    everywhere_max = min(spare, E)
     options = sorted({0, everywhere_max // 4, everywhere_max // 2, (3 * everywhere_max) // 4, everywhere_max})
+    src_node_T = inp.source_rank_T // G
     results: list[tuple[float, float, np.ndarray]] = []
     for x in options:
         # Step 1: the x hottest experts get a copy on every node.
@@ -173,14 +180,71 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
         # Step 2: stage 1 on the remaining sets; replicated experts weigh 1/N on their owner node.
         node_of_E = plan_nodes(np.where(hot, load_E / N, load_E), st.coact_EE, sets_MK, st.count_M, N,
                                current_node_of_E=current, seed=inp.seed)
-        extra_NE = np.repeat(hot[None, :], N, axis=0)
-        # Step 3: stage 2, spare slots left over go to the node's hottest experts; pack GPUs.
-        slots = plan_gpus(node_of_E, extra_NE, _node_load_NE(inp, node_of_E, extra_NE), G, R)
-        traffic, balance = _evaluate(inp, slots)
-        results.append((traffic, balance, slots))
+        everywhere_NE = np.repeat(hot[None, :], N, axis=0)
+        everywhere_NE[node_of_E, np.arange(E)] = False
+        holds_NE = everywhere_NE.copy()
+        holds_NE[node_of_E, np.arange(E)] = True
+        left = spare - x
+        # Step 3: per-node traffic copies, greedily (the largest y is computed once, prefixes reused).
+        ys = sorted({0, left // 2, left}) if inp.topk_ids_TK.shape[0] else [0]
+        order_NE = _traffic_order(inp.topk_ids_TK, src_node_T, node_of_E, holds_NE, max(ys))
+        for y in ys:
+            owners, extra_NE = node_of_E, everywhere_NE | (order_NE < y)
+            for joint in range(JOINT_ROUNDS + 1 if (x or y) and N <= JOINT_MAX_NODES else 1):
+                if joint:
+                    # Step 4 (joint): re-partition owners with these copies counted as local, then re-pick
+                    # the traffic copies for the new owners.
+                    owners = refine_owners(st.sets_MK, st.count_M, load_E, owners, extra_NE)
+                    holds = everywhere_NE.copy()
+                    holds[owners, np.arange(E)] = True
+                    extra_NE = everywhere_NE | traffic_replicas(inp.topk_ids_TK, src_node_T, owners, holds, y)
+                # Step 5: stage 2, spare slots left over go to the node's hottest experts; pack GPUs.
+                slots = plan_gpus(owners, extra_NE, _node_load_NE(inp, owners, extra_NE), G, R)
+                traffic, balance = _evaluate(inp, slots)
+                results.append((traffic, balance, slots))
     best_balance = min(r[1] for r in results)
     ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02)]
     return min(ok, key=lambda r: r[0])[2]
+
+
+JOINT_ROUNDS = 2  # owner re-partitions per candidate with copies counted as local
+JOINT_MAX_NODES = 16  # ReplicaPartitionState keeps N * M * N counters
+
+
+def refine_owners(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, node_of_E: np.ndarray,
+                  copies_NE: np.ndarray, load_tolerance: float = 0.02) -> np.ndarray:
+    """`[E]` owners after swap refinement on the expected remote nodes with `copies_NE` held locally.
+
+    Node load model (sources uniform): a copy of e on node s serves s's tokens, `load_E / N`; the owner
+    serves the nodes without a copy, `load_E * (1 - copies / N)`. Node loads are kept within
+    `1 + load_tolerance` of the mean (or the starting maximum, if larger).
+    """
+    N = copies_NE.shape[0]
+    copies_NE = copies_NE & (node_of_E[None, :] != np.arange(N)[:, None])
+    owner_load_E = load_E * (1.0 - copies_NE.sum(axis=0) / N)
+    base_load_N = copies_NE @ (load_E / N)
+    state = ReplicaPartitionState(sets_MK, count_M, node_of_E, copies_NE)
+    bound = (1 + load_tolerance) * load_E.sum() / N
+    refine_swaps(state, owner_load_E, bound, base_load_N=base_load_N)
+    return state.node_of_E
+
+
+def _traffic_order(topk_TK: np.ndarray, src_node_T: np.ndarray, node_of_E: np.ndarray, holds_NE: np.ndarray,
+                   count: int) -> np.ndarray:
+    """`[N, E]` int: pick order of `traffic_replicas` copies per node (large = not picked)."""
+    N, E = holds_NE.shape
+    order_NE = np.full((N, E), np.iinfo(np.int64).max, dtype=np.int64)
+    if count <= 0:
+        return order_NE
+    # traffic_replicas is greedy per node: picking one at a time recovers the order.
+    held = holds_NE.copy()
+    for i in range(count):
+        pick_NE = traffic_replicas(topk_TK, src_node_T, node_of_E, held, 1)
+        order_NE[pick_NE] = i
+        held |= pick_NE
+        if not pick_NE.any():
+            break
+    return order_NE
 
 
 def plan_layer(policy: str, inp: LayerInput) -> np.ndarray:

@@ -103,14 +103,18 @@ def refine_swaps(
     max_node_load: float,
     max_rounds: int = 200,
     candidates: int | None = None,
+    base_load_N: np.ndarray | None = None,
 ) -> None:
     """Pairwise-swap refinement on the exact objective, in place (also repairs node-load violations).
 
+    `base_load_N`: `[N]` load each node carries besides its owners' `load_E` (counted in the bound).
     Each round ranks swaps (a -> best node B, b in B -> a's node) by their move gains, checks the
     best `candidates` exactly and applies every improving, load-feasible one; stops when none improves.
     """
     N = state.N
     load_N = np.bincount(state.node_of_E, weights=load_E, minlength=N)
+    if base_load_N is not None:
+        load_N += base_load_N  # load a node carries whatever it owns (e.g. copies of other nodes' experts)
     cand = candidates if candidates is not None else max(16, state.E)
     for _ in range(max_rounds):
         # Step 1: repair node load first (swap a hot expert of the fullest node with a cold one).

@@ -76,7 +76,7 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
         pair_pos_NT[route_node, route_t] - pair_start_N[route_node],
         dest_rank_TK[route_t, route_k] % G,
         dest_slot_TK[route_t, route_k],
-    ], dim=1)
+    ], dim=1).to(torch.int32)  # int32 halves the metadata bytes on the slow link
     route_send_N = torch.bincount(route_node, minlength=N)
 
     # Step 2: count exchange on the rail, with DeepSpeed's would-be remote routes for the counters.
@@ -92,7 +92,7 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
 
     # Step 3: inter-node stage (rail).
     recv_x = all_to_all_rows(x_TD[pair_token_P], rail_send, rail_recv, groups.rail_group)
-    recv_meta_R3 = all_to_all_ints(route_meta_R3, route_send, route_recv, groups.rail_group)
+    recv_meta_R3 = all_to_all_ints(route_meta_R3, route_send, route_recv, groups.rail_group).long()
     recv_w_R = all_to_all_rows(weights_TK[route_t, route_k], route_send, route_recv, groups.rail_group)
 
     # Step 4: relay routes = own tokens' routes on this node + routes received on the rail.

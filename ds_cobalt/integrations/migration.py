@@ -1,0 +1,351 @@
+"""Migration: move expert owners between EP ranks together with their training state, all or nothing.
+
+Legend: E experts, W EP ranks, S slots per rank, P = E / W owner slots per rank, F floats in one expert row.
+
+Every rank owns P experts in every layer, so a new layout is a permutation of owner slots. An expert that
+changes (rank, slot) travels as one fp32 row holding, per parameter: the model weight, the fp32 master
+copy, the optimizer moments (e.g. Adam `exp_avg`, `exp_avg_sq`) and, where the optimizer keeps one per
+parameter, its `step`. Rows are read and written through DeepSpeed's tensor-fragment API
+(`safe_get/set_full_fp32_param`, `safe_get/set_full_optimizer_state`) under ZeRO-1/2 and DeepSpeed's
+bf16 optimizer, through the unfused optimizer's fp32 copies for bf16/fp16 without ZeRO, and through the
+torch optimizer state for fp32 without ZeRO.
+
+Two phases: (1) read the rows of moving experts, all-to-all them over the EP group into a staging buffer
+(nothing is written); (2) one all_reduce confirms success on every rank, then each rank writes the staged
+rows into its owner parameters and installs the new lookup tables. A failure in phase 1 on any rank
+(an exception, a collective timeout, an injected fault) leaves the old layout and every bit of state as it
+was, and is logged. The migration is synchronous: it runs inside the step hook, before the next forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+from ..runtime.comm import all_to_all_rows
+from ..runtime.placement import build_placement
+from .deepspeed_moe import MoE
+
+__all__ = ["OwnerMoves", "MigrationReport", "plan_owner_moves", "migrate", "relink_optimizer_state",
+           "set_fault_hook", "ExpertStateIO"]
+
+# fault_hook(stage, layer_index) is called on every rank at "pack" (rows read), "transfer" (before the
+# all-to-all) and "stage" (rows received); raising there simulates a failure on that rank.
+FaultHook = Callable[[str, int], None]
+_FAULT_HOOK: FaultHook | None = None
+
+
+def set_fault_hook(hook: FaultHook | None) -> None:
+    """Install (or clear with None) a process-wide fault-injection hook for tests."""
+    global _FAULT_HOOK
+    _FAULT_HOOK = hook
+
+
+# ------------------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class OwnerMoves:
+    """One layer's owner permutation seen from one rank. Rows of one (source, destination) pair are
+    ordered by new slot on both sides."""
+
+    send_slot: tuple[int, ...]  # old owner slot of each row this rank sends
+    send_splits: tuple[int, ...]  # rows to each EP rank (this rank included for in-rank slot changes)
+    recv_slot: tuple[int, ...]  # new owner slot filled by each row received
+    recv_splits: tuple[int, ...]  # rows from each EP rank
+    moved: tuple[tuple[int, int, int], ...]  # (expert, old rank, new rank) of every expert that moves
+
+    @property
+    def empty(self) -> bool:
+        return not self.moved
+
+
+def _owners(slots_WS: np.ndarray, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(rank_E, slot_E)`: owner rank and owner slot of every expert."""
+    owners = np.asarray(slots_WS)[:, :per_rank]
+    E = owners.size
+    rank_E = np.empty(E, dtype=np.int64)
+    slot_E = np.empty(E, dtype=np.int64)
+    rank_E[owners.reshape(-1)] = np.repeat(np.arange(owners.shape[0]), per_rank)
+    slot_E[owners.reshape(-1)] = np.tile(np.arange(per_rank), owners.shape[0])
+    return rank_E, slot_E
+
+
+def plan_owner_moves(old_WS: np.ndarray, new_WS: np.ndarray, per_rank: int, rank: int) -> OwnerMoves:
+    old_rank, old_slot = _owners(old_WS, per_rank)
+    new_rank, new_slot = _owners(new_WS, per_rank)
+    W = int(np.asarray(old_WS).shape[0])
+    moving = [e for e in range(old_rank.size)
+              if (old_rank[e], old_slot[e]) != (new_rank[e], new_slot[e])]
+    send_slot: list[int] = []
+    send_splits: list[int] = []
+    recv_slot: list[int] = []
+    recv_splits: list[int] = []
+    for peer in range(W):
+        out = sorted((e for e in moving if old_rank[e] == rank and new_rank[e] == peer), key=lambda e: new_slot[e])
+        send_slot += [int(old_slot[e]) for e in out]
+        send_splits.append(len(out))
+        inc = sorted((e for e in moving if new_rank[e] == rank and old_rank[e] == peer), key=lambda e: new_slot[e])
+        recv_slot += [int(new_slot[e]) for e in inc]
+        recv_splits.append(len(inc))
+    moved = tuple((int(e), int(old_rank[e]), int(new_rank[e])) for e in moving)
+    return OwnerMoves(tuple(send_slot), tuple(send_splits), tuple(recv_slot), tuple(recv_splits), moved)
+
+
+# -------------------------------------------------------------------------------- optimizer state I/O
+def relink_optimizer_state(optimizer: Any) -> bool:
+    """Re-link ZeRO-1/2's per-parameter optimizer-state fragments (DESIGN.md pitfall).
+
+    DeepSpeed 0.19.8 links the fragments once, right after the first param group's first step, so
+    groups stepped later (the expert groups) keep an empty link, and a `load_state_dict` replaces the
+    state tensors behind the links. Re-linking reads `optimizer.state` afresh. Returns True when the
+    optimizer has such links (private attributes, pinned by tests/test_migration.py).
+    """
+    if not (hasattr(optimizer, "_hp_optimizer_states_linked")
+            and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state")):
+        return False
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+class ExpertStateIO:
+    """Reads/writes the full training state of expert parameters as flat fp32 pieces.
+
+    `fields` are identical on every rank (they depend on the optimizer and on whether it has stepped):
+    `weight`, `fp32` (master copy, when distinct from the weight), the moment keys, and `step` (one value,
+    only where the optimizer keeps a step per parameter).
+    """
+
+    def __init__(self, engine: Any, reference: torch.nn.Parameter) -> None:
+        opt = engine.optimizer
+        self.optimizer = opt
+        self.has_step = False
+        if hasattr(reference, "_hp_mapping"):
+            self.mode = "fragment"  # ZeRO-1/2, DeepSpeed's bf16 optimizer
+            relink_optimizer_state(opt)
+            mapping = reference._hp_mapping
+            keys = [] if mapping is None or mapping.optim_fragment is None else mapping.get_optim_state_keys()
+            self.moment_keys = sorted(keys)
+            self.fields = ["weight", "fp32", *self.moment_keys]
+            return
+        if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
+            self.mode = "unfused"  # fp16/bf16 without ZeRO: one fp32 copy per parameter
+            self._master = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups)
+                            for lp, hp in zip(lps, hps)}
+            self._state = opt.optimizer.state
+            master = self._master[id(reference)]
+            fields = ["weight", "fp32"]
+        elif isinstance(opt, torch.optim.Optimizer):
+            self.mode = "torch"  # fp32 without ZeRO: the model parameter is the master copy
+            self._master = None
+            self._state = opt.state
+            master = reference
+            fields = ["weight"]
+        else:
+            raise TypeError(f"ds_cobalt migration: unsupported optimizer {type(opt).__name__}")
+        state = self._state.get(master, {})
+        self.moment_keys = sorted(k for k, v in state.items()
+                                  if torch.is_tensor(v) and v.shape == master.shape and k != "step")
+        self.has_step = "step" in state
+        self.fields = fields + self.moment_keys + (["step"] if self.has_step else [])
+
+    def row_size(self, params: Sequence[torch.nn.Parameter]) -> int:
+        return sum(1 if f == "step" else p.numel() for p in params for f in self.fields)
+
+    def _master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return p if self._master is None else self._master[id(p)]
+
+    def read(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """One flat fp32 row: for each parameter, its fields in order."""
+        pieces: list[torch.Tensor] = []
+        for p in params:
+            for field in self.fields:
+                pieces.append(self._read(p, field).reshape(-1).float())
+        return torch.cat(pieces)
+
+    def _read(self, p: torch.nn.Parameter, field: str) -> torch.Tensor:
+        if field == "weight":
+            return p.detach()
+        if self.mode == "fragment":
+            if field == "fp32":
+                return safe_get_full_fp32_param(p)
+            return safe_get_full_optimizer_state(p, field)
+        master = self._master_of(p)
+        if field == "fp32":
+            return master.detach()
+        value = self._state[master][field]
+        return value if torch.is_tensor(value) else torch.tensor([float(value)])
+
+    def write(self, params: Sequence[torch.nn.Parameter], row: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            for field in self.fields:
+                n = 1 if field == "step" else p.numel()
+                self._write(p, field, row[offset: offset + n])
+                offset += n
+        assert offset == row.numel(), (offset, row.numel())
+
+    def _write(self, p: torch.nn.Parameter, field: str, flat: torch.Tensor) -> None:
+        if field == "weight":
+            p.data.copy_(flat.view_as(p).to(p.dtype))  # also the model copy, not only the master
+            return
+        if self.mode == "fragment":
+            value = flat.view(p.shape)
+            if field == "fp32":
+                safe_set_full_fp32_param(p, value)
+            else:
+                safe_set_full_optimizer_state(p, value, field)
+            return
+        master = self._master_of(p)
+        if field == "fp32":
+            master.data.copy_(flat.view_as(master))
+            return
+        state = self._state[master]
+        if field == "step" and not torch.is_tensor(state["step"]):
+            state["step"] = type(state["step"])(flat.item())
+            return
+        state[field].copy_(flat.view_as(state[field]).to(state[field].dtype))
+
+
+# ----------------------------------------------------------------------------------------- migration
+@dataclass(frozen=True)
+class MigrationReport:
+    ok: bool
+    step: int
+    reason: str
+    moved: tuple[tuple[int, int, int, int], ...]  # (layer, expert, old EP rank, new EP rank)
+    bytes_moved: int  # bytes crossing ranks, whole EP group
+    bytes_sent: int  # bytes this rank sent to other ranks
+    seconds: float
+    predicted_saving_s: float | None = None
+    error: str | None = None  # this rank's error, if it failed here
+
+
+def _expert_params(layer: MoE, slot: int) -> list[torch.nn.Parameter]:
+    return list(layer.deepspeed_moe.experts.deepspeed_experts[slot].parameters())
+
+
+def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str = "forced",
+            predicted_saving_s: float | None = None, fault_hook: FaultHook | None = None) -> MigrationReport:
+    """Move the owners of every ds_cobalt layer of `engine` to `new_slots[l]` (`[W, S]`, None = keep).
+
+    Collective over the world group: every rank calls it with the same layouts, between optimizer
+    steps. Returns the report (also logged, written to the DeepSpeed monitor and appended to
+    `engine.cobalt_migrations`). ValueError for an invalid layout (before any communication).
+    """
+    from .engine import cobalt_layers
+
+    fault_hook = fault_hook or _FAULT_HOOK
+    layers = cobalt_layers(engine)
+    if len(new_slots) != len(layers):
+        raise ValueError(f"migrate: got {len(new_slots)} layouts for {len(layers)} ds_cobalt layers")
+    step = int(getattr(engine, "global_steps", 0))
+    start = time.perf_counter()
+    plans: list[tuple[int, MoE, np.ndarray, OwnerMoves]] = []
+    for index, (layer, slots) in enumerate(zip(layers, new_slots)):
+        if slots is None:
+            continue
+        slots = np.asarray(slots, dtype=np.int64)
+        topo = layer.topology
+        if slots.ndim != 2 or slots.shape[0] != topo.world_size:
+            raise ValueError(f"migrate: layer {index} slots must be [{topo.world_size}, S], got {list(slots.shape)}")
+        build_placement(slots, topo.ranks_per_node, layer.num_experts)  # validates owners
+        moves = plan_owner_moves(layer.layout_slots, slots, layer.num_local_experts, topo.rank)
+        plans.append((index, layer, slots, moves))
+
+    moving = [p for p in plans if not p[3].empty]
+    io = ExpertStateIO(engine, _expert_params(moving[0][1], 0)[0]) if moving else None
+    staged: list[torch.Tensor] = []
+    error: str | None = None
+    bytes_sent = bytes_moved = 0
+    with torch.no_grad():
+        for index, layer, _, moves in moving:
+            rank = layer.topology.rank
+            F = io.row_size(_expert_params(layer, 0))
+            device = layer.deepspeed_moe.gate.wg.weight.device
+            rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
+            if error is None:
+                try:
+                    # Phase 1: read only. Reads of ZeRO fragments are collectives of the expert-data-
+                    # parallel group; they run in the same order on every rank.
+                    for i, slot in enumerate(moves.send_slot):
+                        rows[i] = io.read(_expert_params(layer, slot))
+                    if fault_hook is not None:
+                        fault_hook("pack", index)
+                        fault_hook("transfer", index)
+                except Exception as err:  # noqa: BLE001 - any failure aborts the whole migration
+                    error = f"layer {index}: {type(err).__name__}: {err}"
+            recv = rows.new_zeros((sum(moves.recv_splits), F))
+            try:
+                recv = all_to_all_rows(rows, moves.send_splits, moves.recv_splits, layer._require_groups().ep_group)
+                if error is None and fault_hook is not None:
+                    fault_hook("stage", index)
+                if recv.shape != (sum(moves.recv_splits), F):
+                    raise RuntimeError(f"received {list(recv.shape)} rows, expected {[sum(moves.recv_splits), F]}")
+            except Exception as err:  # noqa: BLE001
+                error = error or f"layer {index}: {type(err).__name__}: {err}"
+            staged.append(recv.clone() if recv.data_ptr() == rows.data_ptr() else recv)
+            row_bytes = F * 4
+            bytes_sent += row_bytes * (sum(moves.send_splits) - moves.send_splits[rank])
+            bytes_moved += row_bytes * sum(1 for _, a, b in moves.moved if a != b)
+
+        # Phase 2: agree, then swap. Only local writes from here on.
+        ok = _all_ranks_ok(error is None)
+        if ok:
+            for (index, layer, slots, moves), recv in zip(moving, staged):
+                for row, slot in zip(recv, moves.recv_slot):
+                    io.write(_expert_params(layer, slot), row)
+            for index, layer, slots, moves in plans:
+                layer._install_layout(slots)
+    report = MigrationReport(
+        ok=ok, step=step, reason=reason,
+        moved=tuple((index, e, a, b) for index, _, _, moves in moving for e, a, b in moves.moved),
+        bytes_moved=bytes_moved, bytes_sent=bytes_sent, seconds=time.perf_counter() - start,
+        predicted_saving_s=predicted_saving_s, error=error)
+    _record(engine, report)
+    return report
+
+
+def _all_ranks_ok(local_ok: bool) -> bool:
+    flag = torch.tensor([1 if local_ok else 0], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())  # NOTE: host sync
+
+
+def _record(engine: Any, report: MigrationReport) -> None:
+    history = getattr(engine, "cobalt_migrations", None)
+    if history is None:
+        history = []
+        engine.cobalt_migrations = history
+    history.append(report)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if report.error is not None:
+        logger.error(f"ds_cobalt migration ({report.reason}) at step {report.step} failed on rank {rank}: "
+                     f"{report.error}; old layout and state kept")
+    if rank == 0:
+        experts = ", ".join(f"L{l}:e{e} r{a}->r{b}" for l, e, a, b in report.moved) or "none"
+        saving = "n/a" if report.predicted_saving_s is None else f"{report.predicted_saving_s:.4g} s"
+        if report.ok:
+            logger.info(f"ds_cobalt migration ({report.reason}) at step {report.step}: moved {len(report.moved)} "
+                        f"experts [{experts}], {report.bytes_moved} B across ranks in {report.seconds:.3f} s, "
+                        f"predicted saving {saving}")
+        else:
+            logger.warning(f"ds_cobalt migration ({report.reason}) at step {report.step} aborted on at least one "
+                           f"rank; kept the old layout ({len(report.moved)} experts would have moved)")
+    monitor = getattr(engine, "monitor", None)
+    if monitor is not None and getattr(monitor, "enabled", False):
+        s = report.step
+        events = [("ds_cobalt/migration/ok", float(report.ok), s),
+                  ("ds_cobalt/migration/experts_moved", float(len(report.moved)), s),
+                  ("ds_cobalt/migration/bytes_moved", float(report.bytes_moved), s),
+                  ("ds_cobalt/migration/seconds", float(report.seconds), s)]
+        if report.predicted_saving_s is not None:
+            events.append(("ds_cobalt/migration/predicted_saving_s", float(report.predicted_saving_s), s))
+        monitor.write_events(events)
