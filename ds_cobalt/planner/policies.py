@@ -207,7 +207,7 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     return min(ok, key=lambda r: r[0])[2]
 
 
-JOINT_ROUNDS = 2  # owner re-partitions per candidate with copies counted as local
+JOINT_ROUNDS = 1  # owner re-partitions per candidate with copies counted as local
 JOINT_MAX_NODES = 16  # ReplicaPartitionState keeps N * M * N counters
 
 

@@ -30,7 +30,7 @@ class DeviceRoutingStats:
         ids = topk_ids_TK.long()
         valid = ids >= 0
         multi_hot_TE = torch.zeros((T, self.num_experts), dtype=torch.float32, device=ids.device)
-        multi_hot_TE.scatter_(1, ids.clamp(min=0), valid.float())
+        multi_hot_TE.scatter_add_(1, ids.clamp(min=0), valid.float())  # -1 adds 0 at column 0
         multi_hot_TE.clamp_(max=1.0)
         self.load_E += multi_hot_TE.sum(0).double()
         coact = multi_hot_TE.t() @ multi_hot_TE
