@@ -11,20 +11,56 @@ Dispatch (source rank on node n, local index g):
 Combine mirrors it: experts' outputs return to the relay, which sums the weighted outputs of every
 expert that served a token on its node, and one row per (token, remote node) returns to the source.
 Backward reuses the plan through autograd (every all-to-all is differentiable).
+
+The phases (`plan_rail`, `rail_payload`, `relay_routes`, `node_counts`) are shared with the overlapped
+schedule in `overlap.py`; `dispatch`/`combine` compose them without overlap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .comm import all_to_all_ints, all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_tasks
-from .topology import EPGroups
+from .topology import EPGroups, Topology
 from .traffic import StepTraffic
 
-_META_COLS = 3  # (row within the source's block, destination local rank, destination slot)
+META_COLS = 3  # (row within the source's block, destination local rank, destination slot), int32
+META_BYTES_PER_ROUTE = META_COLS * 4 + 4  # plus the fp32 gate weight
+SLOT_ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class RailPlan:
+    """This rank's routes after task assignment, and the inter-node (rail) split sizes."""
+
+    num_tokens: int
+    dest_rank_TK: torch.Tensor  # [T, K] int64 EP rank serving each route, -1 = dropped
+    dest_slot_TK: torch.Tensor  # [T, K] int64 slot on that rank
+    pair_token_P: torch.Tensor  # [P_out] token of each (token, remote node) pair, node-major
+    route_t: torch.Tensor  # [R_out] token of each remote route, node-major
+    route_k: torch.Tensor  # [R_out] its top-k column
+    route_meta_R3: torch.Tensor  # [R_out, 3] int32 metadata sent with the route
+    local_t: torch.Tensor  # [R_local] routes served on this node: token
+    local_k: torch.Tensor  # [R_local] and top-k column
+    rail_send: tuple[int, ...]  # pairs to each node's rail peer
+    rail_recv: tuple[int, ...]
+    route_send: tuple[int, ...]  # remote routes to each node
+    route_recv: tuple[int, ...]
+    deepspeed_remote_routes: int  # routes on another node under DeepSpeed's contiguous placement
+
+
+@dataclass(frozen=True)
+class RelayRoutes:
+    """Routes a relay forwards inside its node, sorted by (destination local rank, slot)."""
+
+    pool_R: torch.Tensor  # [R] int64 row in the relay's pool of token rows
+    local_R: torch.Tensor  # [R] int64 destination local rank
+    slot_R: torch.Tensor  # [R] int64 destination slot
+    weight_R: torch.Tensor  # [R] gate weight (differentiable)
 
 
 @dataclass(frozen=True)
@@ -33,10 +69,9 @@ class DispatchHandle:
 
     num_tokens: int
     pair_token_P: torch.Tensor  # [P_out] int64 token of each (token, remote node) pair sent, node-major
-    rail_send: tuple[int, ...]  # pairs sent to each node's rail peer
-    rail_recv: tuple[int, ...]  # pairs received from each node's rail peer
-    relay_pool_R: torch.Tensor  # [R] int64 row in the relay pool (own tokens, then received pairs)
-    relay_weight_R: torch.Tensor  # [R] gate weight of each relay route, in send order
+    rail_send: tuple[int, ...]
+    rail_recv: tuple[int, ...]
+    relay: RelayRoutes
     node_send: tuple[int, ...]  # relay routes sent to each local rank
     node_recv: tuple[int, ...]  # rows received from each local rank
     expert_slot_Q: torch.Tensor  # [Q] int64 slot of each received row
@@ -44,18 +79,12 @@ class DispatchHandle:
     traffic: StepTraffic
 
 
-def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-             placement: LayerPlacement, groups: EPGroups,
-             deepspeed_capacity: int) -> tuple[torch.Tensor, DispatchHandle]:
-    """Send token rows to the copies chosen by `assign_tasks`; return `[Q, D]` rows and the handle.
-
-    `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable).
-    `deepspeed_capacity`: the C of DeepSpeed's padded E x C buffers, only for the traffic counters.
-    """
+def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups) -> RailPlan:
+    """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync)."""
     topo = groups.topology
-    T, K = topk_ids_TK.shape
-    N, G, S = topo.nodes, topo.ranks_per_node, placement.slots_per_rank
-    device = x_TD.device
+    T, _ = topk_ids_TK.shape
+    N, G = topo.nodes, topo.ranks_per_node
+    device = topk_ids_TK.device
     dest_rank_TK, dest_slot_TK = assign_tasks(topk_ids_TK, placement, topo.rank)
     valid_TK = dest_rank_TK >= 0
     dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
@@ -68,7 +97,7 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     route_t, route_k, route_node = route_t[by_node], route_k[by_node], route_node[by_node]
     pair_NT = torch.zeros((N, T), dtype=torch.bool, device=device)
     pair_NT[route_node, route_t] = True
-    pair_node, pair_token_P = pair_NT.nonzero(as_tuple=True)
+    _, pair_token_P = pair_NT.nonzero(as_tuple=True)
     rail_send_N = pair_NT.sum(1)
     pair_start_N = torch.cumsum(rail_send_N, 0) - rail_send_N
     pair_pos_NT = torch.cumsum(pair_NT.reshape(-1), 0).reshape(N, T) - 1
@@ -78,70 +107,133 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
         dest_slot_TK[route_t, route_k],
     ], dim=1).to(torch.int32)  # int32 halves the metadata bytes on the slow link
     route_send_N = torch.bincount(route_node, minlength=N)
+    local_t, local_k = (valid_TK & ~remote_TK).nonzero(as_tuple=True)
 
     # Step 2: count exchange on the rail, with DeepSpeed's would-be remote routes for the counters.
     ds_remote = _deepspeed_remote_routes(topk_ids_TK, placement.num_experts, topo)
     counts_N3 = torch.stack([rail_send_N, route_send_N, ds_remote.expand(N)], 1)
-    recv_counts_N3 = exchange_counts(counts_N3[:, :2].contiguous(), groups.rail_group)
-    host = torch.cat([counts_N3.reshape(-1), recv_counts_N3.reshape(-1)]).tolist()  # NOTE: host sync
-    rail_send = tuple(host[0: 3 * N: 3])
-    route_send = tuple(host[1: 3 * N: 3])
-    ds_remote_routes = host[2]
-    rail_recv = tuple(host[3 * N::2])
-    route_recv = tuple(host[3 * N + 1::2])
+    recv_counts_N2 = exchange_counts(counts_N3[:, :2].contiguous(), groups.rail_group)
+    host = torch.cat([counts_N3.reshape(-1), recv_counts_N2.reshape(-1)]).tolist()  # NOTE: host sync
+    return RailPlan(
+        num_tokens=T, dest_rank_TK=dest_rank_TK, dest_slot_TK=dest_slot_TK, pair_token_P=pair_token_P,
+        route_t=route_t, route_k=route_k, route_meta_R3=route_meta_R3, local_t=local_t, local_k=local_k,
+        rail_send=tuple(host[0: 3 * N: 3]), route_send=tuple(host[1: 3 * N: 3]),
+        rail_recv=tuple(host[3 * N::2]), route_recv=tuple(host[3 * N + 1::2]),
+        deepspeed_remote_routes=host[2],
+    )
+
+
+def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                 plan: RailPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What goes on the rail: pair rows `[P_out, D]`, route metadata `[R_out, 3]`, route weights `[R_out]`."""
+    return x_TD[plan.pair_token_P], plan.route_meta_R3, weights_TK[plan.route_t, plan.route_k]
+
+
+def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_meta_R3: torch.Tensor | None,
+                 recv_w_R: torch.Tensor | None, pool_offset: int, groups: EPGroups, slots: int,
+                 include_local: bool = True) -> RelayRoutes:
+    """The relay's routes: its own tokens' routes on this node (pool rows = token index) and/or routes
+    received on the rail (pool rows = `pool_offset` + received pair row), sorted by (local rank, slot)."""
+    G, N = groups.topology.ranks_per_node, groups.topology.nodes
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    if include_local:
+        t, k = plan.local_t, plan.local_k
+        parts.append((t, plan.dest_rank_TK[t, k] % G, plan.dest_slot_TK[t, k], weights_TK[t, k]))
+    if recv_meta_R3 is not None:
+        device = recv_meta_R3.device
+        recv = torch.tensor(plan.rail_recv, device=device)
+        src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(plan.route_recv, device=device))
+        meta = recv_meta_R3.long()
+        pool = pool_offset + (recv.cumsum(0) - recv)[src_node] + meta[:, 0]
+        parts.append((pool, meta[:, 1], meta[:, 2], recv_w_R))
+    pool_R, local_R, slot_R, weight_R = (torch.cat(cols) for cols in zip(*parts))
+    order = torch.argsort(local_R * slots + slot_R, stable=True)
+    return RelayRoutes(pool_R[order], local_R[order], slot_R[order], weight_R[order])
+
+
+def node_counts(relay: RelayRoutes, groups: EPGroups, slots: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per (local rank, slot) rows this relay sends and receives: `send_GS`, `recv_GS` (one host sync)."""
+    G = groups.topology.ranks_per_node
+    send_GS = torch.bincount(relay.local_R * slots + relay.slot_R, minlength=G * slots).reshape(G, slots)
+    recv_GS = exchange_counts(send_GS, groups.node_group)
+    both = torch.stack([send_GS, recv_GS]).tolist()  # NOTE: host sync
+    return both[0], both[1]
+
+
+def measure_traffic(plan: RailPlan, send_GS: Sequence[Sequence[int]], recv_GS: Sequence[Sequence[int]],
+                    row_bytes: int, topology: Topology, experts_per_rank: int,
+                    deepspeed_capacity: int) -> StepTraffic:
+    return StepTraffic.measure(
+        row_bytes=row_bytes, topology=topology, experts_per_rank=experts_per_rank,
+        pairs_sent=sum(plan.rail_send), pairs_received=sum(plan.rail_recv), routes_sent=sum(plan.route_send),
+        meta_bytes_per_route=META_BYTES_PER_ROUTE, node_send=[sum(row) for row in send_GS],
+        node_recv=[sum(row) for row in recv_GS], slot_id_bytes=SLOT_ID_BYTES,
+        deepspeed_capacity=deepspeed_capacity, deepspeed_remote_routes=plan.deepspeed_remote_routes,
+        tokens=plan.num_tokens,
+    )
+
+
+def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+             placement: LayerPlacement, groups: EPGroups,
+             deepspeed_capacity: int) -> tuple[torch.Tensor, DispatchHandle]:
+    """Send token rows to the copies chosen by `assign_tasks`; return `[Q, D]` rows and the handle.
+
+    `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable).
+    `deepspeed_capacity`: the C of DeepSpeed's padded E x C buffers, only for the traffic counters.
+    """
+    S = placement.slots_per_rank
+    plan = plan_rail(topk_ids_TK, placement, groups)
 
     # Step 3: inter-node stage (rail).
-    recv_x = all_to_all_rows(x_TD[pair_token_P], rail_send, rail_recv, groups.rail_group)
-    recv_meta_R3 = all_to_all_ints(route_meta_R3, route_send, route_recv, groups.rail_group).long()
-    recv_w_R = all_to_all_rows(weights_TK[route_t, route_k], route_send, route_recv, groups.rail_group)
+    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan)
+    recv_x = all_to_all_rows(send_x, plan.rail_send, plan.rail_recv, groups.rail_group)
+    recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, groups.rail_group)
+    recv_w = all_to_all_rows(send_w, plan.route_send, plan.route_recv, groups.rail_group)
 
     # Step 4: relay routes = own tokens' routes on this node + routes received on the rail.
-    local_t, local_k = (valid_TK & ~remote_TK).nonzero(as_tuple=True)
-    recv_start_N = torch.tensor(rail_recv, device=device).cumsum(0) - torch.tensor(rail_recv, device=device)
-    recv_src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(route_recv, device=device))
-    relay_pool = torch.cat([local_t, T + recv_start_N[recv_src_node] + recv_meta_R3[:, 0]])
-    relay_local = torch.cat([dest_rank_TK[local_t, local_k] % G, recv_meta_R3[:, 1]])
-    relay_slot = torch.cat([dest_slot_TK[local_t, local_k], recv_meta_R3[:, 2]])
-    relay_weight = torch.cat([weights_TK[local_t, local_k], recv_w_R])
-    order = torch.argsort(relay_local * S + relay_slot, stable=True)
-    relay_pool, relay_local, relay_slot, relay_weight = (
-        relay_pool[order], relay_local[order], relay_slot[order], relay_weight[order])
+    relay = relay_routes(plan, weights_TK, recv_meta, recv_w, plan.num_tokens, groups, S)
 
     # Step 5: intra-node stage; per-(local rank, slot) counts give the expert ranks their slot sizes.
-    send_GS = torch.bincount(relay_local * S + relay_slot, minlength=G * S).reshape(G, S)
-    recv_GS = exchange_counts(send_GS, groups.node_group)
-    host = torch.cat([send_GS.sum(1), recv_GS.sum(1), recv_GS.sum(0)]).tolist()  # NOTE: host sync
-    node_send, node_recv, slot_counts = tuple(host[:G]), tuple(host[G: 2 * G]), tuple(host[2 * G:])
+    send_GS, recv_GS = node_counts(relay, groups, S)
+    node_send = tuple(sum(row) for row in send_GS)
+    node_recv = tuple(sum(row) for row in recv_GS)
+    slot_counts = tuple(sum(col) for col in zip(*recv_GS))
     pool_D = torch.cat([x_TD, recv_x])  # always, so every rank's backward runs the same collectives
-    rows_QD = all_to_all_rows(pool_D[relay_pool], node_send, node_recv, groups.node_group)
-    slot_Q = all_to_all_ints(relay_slot, node_send, node_recv, groups.node_group)
+    rows_QD = all_to_all_rows(pool_D[relay.pool_R], node_send, node_recv, groups.node_group)
+    slot_Q = all_to_all_ints(relay.slot_R, node_send, node_recv, groups.node_group)
 
-    row_bytes = x_TD.shape[1] * x_TD.element_size()
-    traffic = StepTraffic.measure(
-        row_bytes=row_bytes, topology=topo, experts_per_rank=placement.owner_slots_per_rank,
-        pairs_sent=sum(rail_send), pairs_received=sum(rail_recv),
-        routes_sent=sum(route_send), meta_bytes_per_route=_META_COLS * route_meta_R3.element_size() + 4,
-        node_send=node_send, node_recv=node_recv, deepspeed_capacity=deepspeed_capacity,
-        deepspeed_remote_routes=ds_remote_routes, tokens=T,
-    )
-    handle = DispatchHandle(T, pair_token_P, rail_send, rail_recv, relay_pool, relay_weight, node_send, node_recv,
-                            slot_Q, slot_counts, traffic)
+    traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(), groups.topology,
+                              placement.owner_slots_per_rank, deepspeed_capacity)
+    handle = DispatchHandle(plan.num_tokens, plan.pair_token_P, plan.rail_send, plan.rail_recv, relay,
+                            node_send, node_recv, slot_Q, slot_counts, traffic)
     return rows_QD, handle
+
+
+def weighted_sum(rows_RD: torch.Tensor, weight_R: torch.Tensor, index_R: torch.Tensor, num_out: int) -> torch.Tensor:
+    """`out[index[r]] += weight[r] * rows[r]`, accumulated in fp32, returned in the rows' dtype."""
+    contrib_RD = rows_RD.float() * weight_R.float().unsqueeze(1)
+    out = contrib_RD.new_zeros((num_out, rows_RD.shape[1])).index_add(0, index_R, contrib_RD)
+    return out.to(rows_RD.dtype)
 
 
 def combine(expert_out_QD: torch.Tensor, handle: DispatchHandle, groups: EPGroups) -> torch.Tensor:
     """Weighted sum of every route's expert output per token, `[T, D]` in the experts' dtype."""
     back_RD = all_to_all_rows(expert_out_QD, handle.node_recv, handle.node_send, groups.node_group)
-    contrib_RD = back_RD.float() * handle.relay_weight_R.float().unsqueeze(1)
-    pool_rows = handle.num_tokens + sum(handle.rail_recv)
-    pooled = contrib_RD.new_zeros((pool_rows, back_RD.shape[1])).index_add(0, handle.relay_pool_R, contrib_RD)
-    pooled = pooled.to(expert_out_QD.dtype)
-    returned_PD = all_to_all_rows(pooled[handle.num_tokens:], handle.rail_recv, handle.rail_send, groups.rail_group)
-    return pooled[: handle.num_tokens].index_add(0, handle.pair_token_P, returned_PD)
+    pooled = weighted_sum(back_RD, handle.relay.weight_R, handle.relay.pool_R,
+                          handle.num_tokens + sum(handle.rail_recv))
+    return return_to_sources(pooled[: handle.num_tokens], pooled[handle.num_tokens:], handle.pair_token_P,
+                             handle.rail_send, handle.rail_recv, groups)
 
 
-def _deepspeed_remote_routes(topk_ids_TK: torch.Tensor, num_experts: int, topo) -> torch.Tensor:
-    """Routes whose expert sits on another node under DeepSpeed's contiguous placement (0-d int64)."""
+def return_to_sources(own_TD: torch.Tensor, relayed_PD: torch.Tensor, pair_token_P: torch.Tensor,
+                      rail_send: Sequence[int], rail_recv: Sequence[int], groups: EPGroups) -> torch.Tensor:
+    """One row per (token, remote node) back over the rail, added to the tokens' own-node sums."""
+    returned_PD = all_to_all_rows(relayed_PD, rail_recv, rail_send, groups.rail_group)
+    return own_TD.index_add(0, pair_token_P, returned_PD)
+
+
+def _deepspeed_remote_routes(topk_ids_TK: torch.Tensor, num_experts: int, topo: Topology) -> torch.Tensor:
+    """Routes whose expert sits on another node under DeepSpeed's contiguous placement (`[1]` int64)."""
     per_rank = num_experts // topo.world_size
     ds_node = torch.div(topk_ids_TK.clamp(min=0), per_rank * topo.ranks_per_node, rounding_mode="floor")
     return ((topk_ids_TK >= 0) & (ds_node != topo.node)).sum().reshape(1)

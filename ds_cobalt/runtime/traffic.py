@@ -25,7 +25,7 @@ class StepTraffic:
     @classmethod
     def measure(cls, *, row_bytes: int, topology, experts_per_rank: int, pairs_sent: int, pairs_received: int,
                 routes_sent: int, meta_bytes_per_route: int, node_send: Sequence[int], node_recv: Sequence[int],
-                deepspeed_capacity: int, deepspeed_remote_routes: int, tokens: int) -> "StepTraffic":
+                slot_id_bytes: int, deepspeed_capacity: int, deepspeed_remote_routes: int, tokens: int) -> "StepTraffic":
         me = topology.local_rank
         inter_rows = pairs_sent + pairs_received  # dispatch out + combine return of received pairs
         intra_rows = (sum(node_send) - node_send[me]) + (sum(node_recv) - node_recv[me])
@@ -35,7 +35,7 @@ class StepTraffic:
             inter_node_rows=inter_rows,
             inter_node_bytes=inter_rows * row_bytes + routes_sent * meta_bytes_per_route,
             intra_node_rows=intra_rows,
-            intra_node_bytes=intra_rows * row_bytes + (sum(node_send) - node_send[me]) * 8,
+            intra_node_bytes=intra_rows * row_bytes + (sum(node_send) - node_send[me]) * slot_id_bytes,
             deepspeed_inter_node_bytes_padded=ds_padded_rows * row_bytes,
             deepspeed_inter_node_bytes_dropless=2 * deepspeed_remote_routes * row_bytes,
             tokens=tokens,
