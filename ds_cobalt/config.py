@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SECTION = "cobalt"
 
@@ -38,10 +38,63 @@ class TraceConfig(_Section):
     steps: int = Field(default=20, gt=0)
 
 
+class PlannerConfig(_Section):
+    """Online stage-1 replanning: every `replan_interval` optimizer steps (0 = off) plan a layout with
+    `policy` from the routing statistics of the last interval (summed over ranks; each rank contributes at
+    most `sample_tokens` recent top-k rows per layer), in a background thread on rank 0; apply it
+    `apply_lag` steps later (0 = right away), on every rank, when the migration cost model says it pays."""
+
+    replan_interval: int = Field(default=0, ge=0)
+    policy: str = "cobalt"
+    redundant_slots: int = Field(default=0, ge=0)
+    apply_lag: int = Field(default=1, ge=0)
+    sample_tokens: int = Field(default=1024, ge=0)
+    seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from .planner.policies import POLICIES
+
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; valid: {', '.join(sorted(POLICIES))}")
+        return value
+
+    @model_validator(mode="after")
+    def _lag_within_interval(self) -> "PlannerConfig":
+        if self.replan_interval and self.apply_lag > self.replan_interval:
+            raise ValueError(f"apply_lag={self.apply_lag} exceeds replan_interval={self.replan_interval}")
+        return self
+
+
+class MigrationConfig(_Section):
+    """Moving expert owners. A plan that moves owners is applied only when the modelled saving over the next
+    interval beats `margin` x the modelled migration time over a link of `inter_node_gbps` gigabit/s
+    (`ignore_cost_model`: always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
+    DeepSpeed's contiguous expert order (migrate there around the save, and back)."""
+
+    inter_node_gbps: float = Field(default=50.0, gt=0)
+    margin: float = Field(default=1.5, ge=0)
+    ignore_cost_model: bool = False
+    checkpoint_logical_order: bool = True
+
+
+class OverlapConfig(_Section):
+    """Fine-grained compute/communication overlap (runtime/overlap.py): the rail transfer runs behind
+    the own-node round, and intra-node rows travel in tiles of at most `tile_rows` rows, each computed
+    as it lands."""
+
+    enabled: bool = False
+    tile_rows: int = Field(default=512, gt=0)
+
+
 class CobaltConfig(_Section):
     topology: TopologyConfig = TopologyConfig()
     traffic: TrafficConfig = TrafficConfig()
     trace: TraceConfig = TraceConfig()
+    overlap: OverlapConfig = OverlapConfig()
+    planner: PlannerConfig = PlannerConfig()
+    migration: MigrationConfig = MigrationConfig()
 
 
 def parse_cobalt_config(section: Any) -> CobaltConfig:

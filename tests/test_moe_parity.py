@@ -28,7 +28,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(1 + rank)  # ranks hold different experts, as after DeepSpeed's init on each rank
     kwargs = dict(ep_size=world, k=k, drop_tokens=drop, min_capacity=0, capacity_factor=case.get("cf", 1.0))
     ref = DeepSpeedMoE(D, expert, E, **kwargs)
-    cfg = parse_cobalt_config({"topology": {"ranks_per_node": 2}})
+    cfg = parse_cobalt_config({"topology": {"ranks_per_node": 2}, "overlap": case.get("overlap", {})})
     ours = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     ref.set_deepspeed_parallelism()
@@ -67,6 +67,14 @@ CASES = {
     "rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0]),
     "expert_per_rank_with_replicas": dict(E=4, k=2, drop=False, tokens=[10, 7, 20, 3], replicas=[2, 0, 1, 3]),
     "replicas_cross_node_and_empty": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1]),
+    # the overlapped schedule (runtime/overlap.py): tiny tiles so every chunk boundary is exercised
+    "overlap_k2_dropless_tiles": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
+                                      overlap={"enabled": True, "tile_rows": 3}),
+    "overlap_k1_capacity": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], overlap={"enabled": True}),
+    "overlap_rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0],
+                                        overlap={"enabled": True, "tile_rows": 4}),
+    "overlap_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
+                             overlap={"enabled": True, "tile_rows": 2}),
 }
 
 
@@ -100,7 +108,8 @@ def test_capacity_mode_really_drops(parity_results) -> None:
     assert sum(r["dropped_routes"] for r in parity_results["k2_dropless_uneven"]) == 0
 
 
-@pytest.mark.parametrize("name", ["k2_dropless_uneven", "k2_capacity", "k1_dropless_uneven"])
+@pytest.mark.parametrize("name", ["k2_dropless_uneven", "k2_capacity", "k1_dropless_uneven",
+                                  "overlap_k2_dropless_tiles"])
 def test_traffic_counters_match_independent_count(parity_results, name: str) -> None:
     """Recount every rank's rows from the routed ids alone (contiguous layout, 2 nodes x 2 ranks)."""
     results = parity_results[name]

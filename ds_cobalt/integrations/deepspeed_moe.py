@@ -19,6 +19,7 @@ from ..config import CobaltConfig
 from ..planner.layout import contiguous_layout
 from ..runtime.dispatch import combine, dispatch
 from ..runtime.experts import run_experts
+from ..runtime.overlap import SlotExpert, overlapped_moe
 from ..runtime.placement import LayerPlacement, build_placement
 from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
@@ -128,14 +129,20 @@ class MoE(DeepSpeedMoE):
         if self.trace_rows is not None:
             self.trace_rows.append(topk_ids_TK.detach().cpu())
 
-        rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
-                                   deepspeed_capacity=int(capacity))
-        slot_fns, anchor = self._slot_functions(groups)
-        out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts, slot_fns)
-        output = combine(out_QD, handle, groups).reshape(hidden_states.shape)
+        slots, anchor = self._slot_experts(groups)
+        if self.cobalt_config.overlap.enabled:
+            output, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
+                                             self.cobalt_config.overlap.tile_rows, int(capacity))
+        else:
+            rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
+                                       deepspeed_capacity=int(capacity))
+            out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
+                                 [None if slot is None else _bind(slot) for slot in slots])
+            output, traffic = combine(out_QD, handle, groups), handle.traffic
+        output = output.reshape(hidden_states.shape)
         if anchor is not None:
             output = output + anchor
-        self.traffic.add(handle.traffic)
+        self.traffic.add(traffic)
 
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)
@@ -145,22 +152,22 @@ class MoE(DeepSpeedMoE):
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, l_aux, exp_counts
 
-    def _slot_functions(self, groups: EPGroups):
-        """One callable per slot of this rank: owner experts, then replicas with fetched weights."""
+    def _slot_experts(self, groups: EPGroups) -> tuple[list[SlotExpert | None], torch.Tensor | None]:
+        """The expert of each slot of this rank: owner experts, then replicas with fetched weights."""
         experts = list(self.deepspeed_moe.experts.deepspeed_experts)
-        slot_fns: list = list(experts)
+        names = tuple(name for name, _ in experts[0].named_parameters())
+        owner_params = [tuple(p for _, p in expert.named_parameters()) for expert in experts]
+        slots: list[SlotExpert | None] = [SlotExpert(e, names, ps) for e, ps in zip(experts, owner_params)]
         plan = self._replica_plan
         if plan is None or self._placement.slots_per_rank == self.num_local_experts:
-            return slot_fns, None
-        names = [name for name, _ in experts[0].named_parameters()]
-        owner_params = [[p for _, p in expert.named_parameters()] for expert in experts]
+            return slots, None
         fetched, anchor = fetch_replicas(owner_params, plan, groups)
-        template = experts[0]
         for slot in range(self.num_local_experts, self._placement.slots_per_rank):
             params = fetched.get(slot)
-            slot_fns.append(None if params is None else _bind(template, dict(zip(names, params))))
-        return slot_fns, anchor
+            slots.append(None if params is None else SlotExpert(experts[0], names, tuple(params)))
+        return slots, anchor
 
 
-def _bind(module: torch.nn.Module, params: dict[str, torch.Tensor]):
-    return lambda rows: functional_call(module, params, (rows,))
+def _bind(slot: SlotExpert):
+    params = dict(zip(slot.names, slot.tensors))
+    return lambda rows: functional_call(slot.module, params, (rows,))

@@ -1,0 +1,280 @@
+"""Fine-grained compute/communication overlap for one MoE layer (forward and backward).
+
+Legend: T tokens, K routes, D hidden, G ranks per node, S slots per rank, R relay routes, P pairs.
+
+Schedule of `overlapped_moe`:
+1. the rail (inter-node) transfer of this rank's (token, remote node) rows starts asynchronously;
+2. round A, the tokens' own-node routes, runs meanwhile: the intra-node exchange is split by source
+   rank and into tiles of at most `tile_rows` rows; the expert rank computes its own rows first, then
+   each tile as soon as its receive completes, and sends each finished tile back while later tiles
+   compute (point-to-point work handles, no barrier);
+3. round B, the routes that arrived on the rail, runs the same chunked exchange;
+4. one row per (token, remote node) returns on the rail.
+Backward mirrors the chunked exchange: gradient tiles are computed as they land and input gradients
+leave as soon as each is ready. Results equal `dispatch` -> `run_experts` -> `combine` up to summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from .comm import all_to_all_ints
+from .dispatch import (node_counts, plan_rail, rail_payload, relay_routes, measure_traffic, return_to_sources,
+                       weighted_sum)
+from .placement import LayerPlacement
+from .topology import EPGroups
+from .traffic import StepTraffic
+
+_ROWS, _OUT, _GRAD, _GRAD_IN = 1, 2, 3, 4  # message kinds; tag = kind << 16 | tile
+
+
+@dataclass(frozen=True)
+class SlotExpert:
+    """The expert in one slot: a module applied with the given parameter tensors (owner parameters, or
+    replica weights fetched from the owner)."""
+
+    module: torch.nn.Module
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    send_GS: list[list[int]]  # rows this relay sends to each local rank, per slot
+    recv_GS: list[list[int]]  # rows this expert rank receives from each local rank, per slot
+    me: int
+    peer_ranks: tuple[int, ...]  # global rank of each local rank
+    group: dist.ProcessGroup | None
+    tile_rows: int
+    slots: tuple[SlotExpert | None, ...]
+
+
+def _tiles(rows: int, tile_rows: int) -> list[tuple[int, int]]:
+    return [(a, min(a + tile_rows, rows)) for a in range(0, rows, tile_rows)]
+
+
+def _tile_slot_counts(counts_S: Sequence[int], a: int, b: int) -> list[int]:
+    """Rows of each slot inside rows [a, b) of a block sorted by slot with per-slot sizes `counts_S`."""
+    out, start = [], 0
+    for count in counts_S:
+        out.append(max(0, min(b, start + count) - max(a, start)))
+        start += count
+    return out
+
+
+class _ExpertExchange(torch.autograd.Function):
+    """Relay rows `[R, D]` (sorted by destination local rank, slot) -> expert outputs `[R, D]`, chunked."""
+
+    @staticmethod
+    def forward(ctx, spec: _Exchange, rows_RD: torch.Tensor, *tensors: torch.Tensor):  # type: ignore[override]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        slot_leaves = _split_by_slot(spec.slots, leaves)
+        send_n = [sum(row) for row in spec.send_GS]
+        recv_n = [sum(row) for row in spec.recv_GS]
+        blocks = rows_RD.split(send_n)
+        D = rows_RD.shape[1]
+        peers = [(spec.me + i) % len(send_n) for i in range(1, len(send_n))]
+        incoming = [(p, i, a, b, _recv(rows_RD.new_empty(b - a, D), spec, p, _ROWS, i))
+                    for p in peers for i, (a, b) in enumerate(_tiles(recv_n[p], spec.tile_rows))]
+        results = {p: [_recv(rows_RD.new_empty(b - a, D), spec, p, _OUT, i)
+                       for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))] for p in peers}
+        sends = [_send(blocks[p][a:b], spec, p, _ROWS, i)
+                 for p in peers for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))]
+
+        chunks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        own = _compute(spec, slot_leaves, blocks[spec.me], spec.recv_GS[spec.me], chunks, (spec.me, 0))
+        for p, i, a, b, (buf, work) in _as_they_land(incoming):
+            out = _compute(spec, slot_leaves, buf, _tile_slot_counts(spec.recv_GS[p], a, b), chunks, (p, i))
+            sends.append(_send(out, spec, p, _OUT, i))
+        pieces = [own if d == spec.me else torch.cat([_wait(r) for r in results[d]] or [own[:0]])
+                  for d in range(len(send_n))]
+        for _, work in sends:
+            work.wait()
+        ctx.spec, ctx.chunks, ctx.slot_leaves, ctx.leaves = spec, chunks, slot_leaves, leaves
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # type: ignore[override]
+        spec, chunks = ctx.spec, ctx.chunks
+        grad_RD = grad_RD.contiguous()
+        send_n = [sum(row) for row in spec.send_GS]
+        recv_n = [sum(row) for row in spec.recv_GS]
+        D = grad_RD.shape[1]
+        grads = grad_RD.split(send_n)
+        peers = [(spec.me + i) % len(send_n) for i in range(1, len(send_n))]
+        incoming = [(p, i, a, b, _recv(grad_RD.new_empty(b - a, D), spec, p, _GRAD, i))
+                    for p in peers for i, (a, b) in enumerate(_tiles(recv_n[p], spec.tile_rows))]
+        grad_in = {p: [_recv(grad_RD.new_empty(b - a, D), spec, p, _GRAD_IN, i)
+                       for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))] for p in peers}
+        sends = [_send(grads[p][a:b], spec, p, _GRAD, i)
+                 for p in peers for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))]
+        param_grads: list[torch.Tensor | None] = [None] * len(ctx.leaves)
+        own = _backprop(ctx, chunks.get((spec.me, 0)), grads[spec.me], param_grads)
+        for p, i, _, _, (buf, work) in _as_they_land(incoming):
+            sends.append(_send(_backprop(ctx, chunks.get((p, i)), buf, param_grads), spec, p, _GRAD_IN, i))
+        pieces = [own if d == spec.me else torch.cat([_wait(r) for r in grad_in[d]] or [own[:0]])
+                  for d in range(len(send_n))]
+        for _, work in sends:
+            work.wait()
+        param_grads = [torch.zeros_like(leaf) if g is None and leaf.requires_grad else g
+                       for g, leaf in zip(param_grads, ctx.leaves)]
+        return (None, torch.cat(pieces), *param_grads)
+
+
+def _split_by_slot(slots: Sequence[SlotExpert | None], leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out, start = [], 0
+    for slot in slots:
+        n = 0 if slot is None else len(slot.tensors)
+        out.append(leaves[start: start + n])
+        start += n
+    return out
+
+
+def _recv(buf: torch.Tensor, spec: _Exchange, peer: int, kind: int, tile: int):
+    return buf, dist.irecv(buf, src=spec.peer_ranks[peer], group=spec.group, tag=kind << 16 | tile)
+
+
+def _send(rows: torch.Tensor, spec: _Exchange, peer: int, kind: int, tile: int):
+    rows = rows.contiguous()  # kept alive with the work handle until it completes
+    return rows, dist.isend(rows, dst=spec.peer_ranks[peer], group=spec.group, tag=kind << 16 | tile)
+
+
+def _wait(item) -> torch.Tensor:
+    buf, work = item
+    work.wait()
+    return buf
+
+
+def _as_they_land(pending: list):
+    """Yield pending receives in completion order (the oldest one when none has completed yet)."""
+    pending = list(pending)
+    while pending:
+        item = next((it for it in pending if it[-1][1].is_completed()), pending[0])
+        pending.remove(item)
+        item[-1][1].wait()
+        yield item
+
+
+def _compute(spec: _Exchange, slot_leaves: list[list[torch.Tensor]], rows: torch.Tensor,
+             counts_S: Sequence[int], chunks: dict, key: tuple[int, int]) -> torch.Tensor:
+    """Apply each slot's expert to its rows of one chunk; keep the graph for backward."""
+    if rows.shape[0] == 0:
+        return rows
+    with torch.enable_grad():
+        rows_in = rows.detach().requires_grad_(True)
+        outs, used = [], []
+        for s, part in enumerate(rows_in.split(list(counts_S))):
+            if part.shape[0] == 0:
+                continue
+            slot = spec.slots[s]
+            assert slot is not None, f"rows routed to empty slot {s}"
+            out = functional_call(slot.module, dict(zip(slot.names, slot_leaves[s])), (part,))
+            outs.append(out[0] if isinstance(out, tuple) else out)
+            used.append(s)
+        out = torch.cat(outs)
+    chunks[key] = (rows_in, out, used)
+    return out.detach()
+
+
+def _backprop(ctx, chunk, grad_rows: torch.Tensor, param_grads: list) -> torch.Tensor:
+    """Gradient of one chunk's inputs; parameter gradients are added into `param_grads`."""
+    if chunk is None:
+        return grad_rows.new_zeros(grad_rows.shape)
+    rows_in, out, used = chunk
+    leaves = [leaf for s in used for leaf in ctx.slot_leaves[s] if leaf.requires_grad]
+    grads = torch.autograd.grad(out, [rows_in, *leaves], grad_rows, allow_unused=True)
+    index = {id(leaf): j for j, leaf in enumerate(ctx.leaves)}
+    for leaf, g in zip(leaves, grads[1:]):
+        if g is not None:
+            j = index[id(leaf)]
+            param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+    return grads[0]
+
+
+def expert_exchange(rows_RD: torch.Tensor, send_GS: list[list[int]], recv_GS: list[list[int]],
+                    slots: Sequence[SlotExpert | None], groups: EPGroups, tile_rows: int) -> torch.Tensor:
+    """Chunked intra-node exchange with expert compute; `[R, D]` outputs in the relay's route order."""
+    topo = groups.topology
+    node_base = topo.node * topo.ranks_per_node
+    spec = _Exchange(send_GS, recv_GS, topo.local_rank,
+                     tuple(groups.ep_ranks[node_base + g] for g in range(topo.ranks_per_node)),
+                     groups.node_group, max(1, tile_rows), tuple(slots))
+    tensors = [t for slot in slots if slot is not None for t in slot.tensors]
+    return _ExpertExchange.apply(spec, rows_RD, *tensors)
+
+
+# ----- asynchronous rail transfer -------------------------------------------------------------------
+class _Inflight:
+    """An all-to-all started with async_op=True; `buffer` is valid after `work.wait()`."""
+
+    def __init__(self, rows: torch.Tensor, send: Sequence[int], recv: Sequence[int],
+                 group: dist.ProcessGroup | None) -> None:
+        self.send, self.recv, self.group = tuple(send), tuple(recv), group
+        rows = rows.detach().contiguous()
+        self.buffer = rows.new_empty((sum(recv), *rows.shape[1:]))
+        self._keep = rows
+        self.work = (None if group is None else
+                     dist.all_to_all_single(self.buffer, rows, list(recv), list(send), group=group, async_op=True))
+        if group is None:
+            self.buffer = rows
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.buffer
+
+
+class _Landed(torch.autograd.Function):
+    """Joins an in-flight all-to-all to autograd: forward waits, backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, inflight: _Inflight):  # type: ignore[override]
+        ctx.inflight = inflight
+        return inflight.wait().clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        f = ctx.inflight
+        if f.group is None:
+            return grad, None
+        out = grad.new_empty((sum(f.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), list(f.send), list(f.recv), group=f.group)
+        return out, None
+
+
+def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                   placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
+                   tile_rows: int, deepspeed_capacity: int) -> tuple[torch.Tensor, StepTraffic]:
+    """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic."""
+    S = placement.slots_per_rank
+    plan = plan_rail(topk_ids_TK, placement, groups)
+    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan)
+    rail = groups.rail_group
+    inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
+    inflight_w = _Inflight(send_w, plan.route_send, plan.route_recv, rail)
+
+    # Round A: own tokens' routes on this node, while the rail transfer is in flight.
+    relay_a = relay_routes(plan, weights_TK, None, None, 0, groups, S)
+    send_a, recv_a = node_counts(relay_a, groups, S)
+    out_a = expert_exchange(x_TD[relay_a.pool_R], send_a, recv_a, slots, groups, tile_rows)
+    own_TD = weighted_sum(out_a, relay_a.weight_R, relay_a.pool_R, plan.num_tokens)
+
+    # Round B: routes that arrived on the rail.
+    recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, rail)
+    recv_x = _Landed.apply(send_x, inflight_x)
+    recv_w = _Landed.apply(send_w, inflight_w)
+    relay_b = relay_routes(plan, weights_TK, recv_meta, recv_w, 0, groups, S, include_local=False)
+    send_b, recv_b = node_counts(relay_b, groups, S)
+    out_b = expert_exchange(recv_x[relay_b.pool_R], send_b, recv_b, slots, groups, tile_rows)
+    relayed_PD = weighted_sum(out_b, relay_b.weight_R, relay_b.pool_R, sum(plan.rail_recv))
+
+    out_TD = return_to_sources(own_TD, relayed_PD, plan.pair_token_P, plan.rail_send, plan.rail_recv, groups)
+    add = lambda a, b: [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]  # noqa: E731
+    traffic = measure_traffic(plan, add(send_a, send_b), add(recv_a, recv_b), x_TD.shape[1] * x_TD.element_size(),
+                              groups.topology, placement.owner_slots_per_rank, deepspeed_capacity)
+    return out_TD, traffic
