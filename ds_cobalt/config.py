@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -82,10 +82,18 @@ class MigrationConfig(_Section):
 class OverlapConfig(_Section):
     """Fine-grained compute/communication overlap (runtime/overlap.py): the rail transfer runs behind
     the own-node round, and intra-node rows travel in tiles of at most `tile_rows` rows, each computed
-    as it lands."""
+    as it lands. `"auto"`: a cost-model guess refined by timing a few sizes on the first forwards
+    (runtime/tile_tuner.py)."""
 
     enabled: bool = False
-    tile_rows: int = Field(default=512, gt=0)
+    tile_rows: int | Literal["auto"] = "auto"
+
+    @field_validator("tile_rows")
+    @classmethod
+    def _positive(cls, value):
+        if value != "auto" and value <= 0:
+            raise ValueError(f"must be a positive integer or 'auto', got {value!r}")
+        return value
 
 
 class CobaltConfig(_Section):

@@ -70,7 +70,7 @@ CASES = {
     # the overlapped schedule (runtime/overlap.py): tiny tiles so every chunk boundary is exercised
     "overlap_k2_dropless_tiles": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
                                       overlap={"enabled": True, "tile_rows": 3}),
-    "overlap_k1_capacity": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], overlap={"enabled": True}),
+    "overlap_k1_capacity_auto_tiles": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], overlap={"enabled": True}),
     "overlap_rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0],
                                         overlap={"enabled": True, "tile_rows": 4}),
     "overlap_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],

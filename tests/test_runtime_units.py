@@ -147,3 +147,35 @@ def test_runtime_imports_no_deepspeed() -> None:
     code = ("import sys; sys.modules['deepspeed'] = None\n"
             "import ds_cobalt.runtime.dispatch, ds_cobalt.runtime.replicas, ds_cobalt.runtime.stats\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tile_tuner_walks_candidates_then_keeps_the_fastest(monkeypatch) -> None:
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    tuner = tile_tuner.TileTuner(factors=(0.5, 1.0, 2.0), warmup=1)
+    row_bytes = 1024 * 4
+    guess = tile_tuner.guess_tile_rows(row_bytes)
+    assert guess == 64
+    fake_seconds = {32: 3.0, 64: 1.0, 128: 2.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    seen = []
+    for _ in range(6):
+        rows = tuner.tile_rows(row_bytes)
+        seen.append(rows)
+        started = tuner.start(torch.device("cpu"))
+        now["t"] += fake_seconds[rows]  # the forward "takes" this long
+        tuner.record(started, torch.device("cpu"), groups)
+    assert seen[:4] == [32, 32, 64, 128]  # warm-up, then each candidate once
+    assert tuner.chosen == 64 and seen[4:] == [64, 64]
+
+
+def test_overlap_config_validates_tile_rows() -> None:
+    assert parse_cobalt_config({"overlap": {"enabled": True}}).overlap.tile_rows == "auto"
+    assert parse_cobalt_config({"overlap": {"tile_rows": 64}}).overlap.tile_rows == 64
+    with pytest.raises(ValueError, match=r"cobalt\.overlap\.tile_rows"):
+        parse_cobalt_config({"overlap": {"tile_rows": 0}})
+    with pytest.raises(ValueError, match=r"cobalt\.overlap\.tile_rows"):
+        parse_cobalt_config({"overlap": {"tile_rows": "fast"}})

@@ -23,6 +23,7 @@ from ..runtime.overlap import SlotExpert, overlapped_moe
 from ..runtime.placement import LayerPlacement, build_placement
 from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
+from ..runtime.tile_tuner import TileTuner
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
 
@@ -56,6 +57,7 @@ class MoE(DeepSpeedMoE):
         self._placement: LayerPlacement | None = None
         self._replica_plan: ReplicaPlan | None = None
         self.stats = DeviceRoutingStats(num_experts, k)
+        self.tile_tuner = TileTuner()
         self.trace_rows: list[torch.Tensor] | None = None  # top-k ids per forward while a trace records
 
     # ----- setup -----------------------------------------------------------------------------------
@@ -131,8 +133,14 @@ class MoE(DeepSpeedMoE):
 
         slots, anchor = self._slot_experts(groups)
         if self.cobalt_config.overlap.enabled:
+            tile_rows = self.cobalt_config.overlap.tile_rows
+            timing = None
+            if tile_rows == "auto":
+                tile_rows = self.tile_tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
+                timing = self.tile_tuner.start(x_TD.device)
             output, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
-                                             self.cobalt_config.overlap.tile_rows, int(capacity))
+                                             tile_rows, int(capacity))
+            self.tile_tuner.record(timing, x_TD.device, groups)
         else:
             rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
                                        deepspeed_capacity=int(capacity))
