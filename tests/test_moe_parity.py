@@ -28,7 +28,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(1 + rank)  # ranks hold different experts, as after DeepSpeed's init on each rank
     kwargs = dict(ep_size=world, k=k, drop_tokens=drop, min_capacity=0, capacity_factor=case.get("cf", 1.0))
     ref = DeepSpeedMoE(D, expert, E, **kwargs)
-    cfg = parse_cobalt_config({"topology": {"ranks_per_node": 2}, "overlap": case.get("overlap", {})})
+    cfg = parse_cobalt_config({"topology": {"ranks_per_node": case.get("ranks_per_node", 2)},
+                               "overlap": case.get("overlap", {})})
     ours = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     ref.set_deepspeed_parallelism()
@@ -54,6 +55,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
         }
     del layer_
     results["traffic"] = ours.traffic.totals()
+    results["nodes"] = ours.topology.nodes
     results["routed_ids"] = ours.trace_rows[0].numpy()
     results["dropped_routes"] = int((ours.trace_rows[0] < 0).sum())
     return results
@@ -67,6 +69,11 @@ CASES = {
     "rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0]),
     "expert_per_rank_with_replicas": dict(E=4, k=2, drop=False, tokens=[10, 7, 20, 3], replicas=[2, 0, 1, 3]),
     "replicas_cross_node_and_empty": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1]),
+    # one node (a single intra-node exchange) and one rank per node (rail only)
+    "one_node_of_4": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=4),
+    "four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1),
+    "overlap_four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1,
+                                    overlap={"enabled": True, "tile_rows": 4}),
     # the overlapped schedule (runtime/overlap.py): tiny tiles so every chunk boundary is exercised
     "overlap_k2_dropless_tiles": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
                                       overlap={"enabled": True, "tile_rows": 3}),
@@ -100,6 +107,13 @@ def test_matches_deepspeed_moe(parity_results, name: str) -> None:
         assert ours["grads"].keys() == ref["grads"].keys()
         for pname, grad in ref["grads"].items():
             torch.testing.assert_close(ours["grads"][pname], grad, atol=1e-5, rtol=0, msg=f"rank {rank} {pname}")
+
+
+def test_node_grouping_follows_ranks_per_node(parity_results) -> None:
+    assert [r["nodes"] for r in parity_results["one_node_of_4"]] == [1] * 4
+    assert [r["nodes"] for r in parity_results["four_nodes_of_1"]] == [4] * 4
+    assert all(r["traffic"]["inter_node_rows"] == 0 for r in parity_results["one_node_of_4"])
+    assert all(r["traffic"]["intra_node_rows"] == 0 for r in parity_results["four_nodes_of_1"])
 
 
 def test_capacity_mode_really_drops(parity_results) -> None:
