@@ -4,12 +4,13 @@ Legend: T tokens, K routes, D hidden, G ranks per node, S slots per rank, R rela
 
 Schedule of `overlapped_moe`:
 1. the rail (inter-node) transfer of this rank's (token, remote node) rows starts asynchronously;
-2. round A, the tokens' own-node routes, runs meanwhile: the intra-node exchange is split by source
-   rank and into tiles of at most `tile_rows` rows; the expert rank computes its own rows first, then
-   each tile as soon as its receive completes, and sends each finished tile back while later tiles
-   compute (point-to-point work handles, no barrier);
-3. round B, the routes that arrived on the rail, runs the same chunked exchange;
-4. one row per (token, remote node) returns on the rail.
+2. round A1, the own-node routes of the first half of the tokens, runs meanwhile: the intra-node
+   exchange is split by source rank and into tiles of at most `tile_rows` rows; the expert rank
+   computes its own rows first, then each tile as soon as its receive completes, and sends each
+   finished tile back while later tiles compute (point-to-point work handles, no barrier);
+3. round B, the routes that arrived on the rail, runs the same chunked exchange, and its one row per
+   (token, node) starts back on the rail asynchronously;
+4. round A2, the other half of the own-node routes, computes while those rows travel.
 Backward mirrors the chunked exchange: gradient tiles are computed as they land and input gradients
 leave as soon as each is ready. Results equal `dispatch` -> `run_experts` -> `combine` up to summation order.
 """
@@ -24,8 +25,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from .comm import all_to_all_ints
-from .dispatch import (node_counts, plan_rail, rail_payload, relay_routes, measure_traffic, return_to_sources,
-                       weighted_sum)
+from .dispatch import RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes, weighted_sum
 from .placement import LayerPlacement
 from .topology import EPGroups
 from .traffic import StepTraffic
@@ -247,6 +247,24 @@ class _Landed(torch.autograd.Function):
         return out, None
 
 
+def _select(relay: RelayRoutes, keep_R: torch.Tensor) -> RelayRoutes:
+    return RelayRoutes(relay.pool_R[keep_R], relay.local_R[keep_R], relay.slot_R[keep_R], relay.weight_R[keep_R])
+
+
+def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: Sequence[SlotExpert | None],
+                 groups: EPGroups, tile_rows: int, counts: list) -> torch.Tensor:
+    """Intra-node exchange + experts + weighted sum per pool row for one set of relay routes."""
+    S = len(slots)
+    send_GS, recv_GS = node_counts(relay, groups, S)
+    counts.append((send_GS, recv_GS))
+    out_RD = expert_exchange(pool_D[relay.pool_R], send_GS, recv_GS, slots, groups, tile_rows)
+    return weighted_sum(out_RD, relay.weight_R, relay.pool_R, num_out)
+
+
+def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
+    return [[sum(vals) for vals in zip(*rows)] for rows in zip(*matrices)]
+
+
 def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
                    tile_rows: int, deepspeed_capacity: int) -> tuple[torch.Tensor, StepTraffic]:
@@ -258,23 +276,27 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
     inflight_w = _Inflight(send_w, plan.route_send, plan.route_recv, rail)
 
-    # Round A: own tokens' routes on this node, while the rail transfer is in flight.
-    relay_a = relay_routes(plan, weights_TK, None, None, 0, groups, S)
-    send_a, recv_a = node_counts(relay_a, groups, S)
-    out_a = expert_exchange(x_TD[relay_a.pool_R], send_a, recv_a, slots, groups, tile_rows)
-    own_TD = weighted_sum(out_a, relay_a.weight_R, relay_a.pool_R, plan.num_tokens)
+    # Round A1: the first half of the own tokens' routes on this node, while the rail transfer is in flight.
+    relay_own = relay_routes(plan, weights_TK, None, None, 0, groups, S)
+    half = relay_own.pool_R < (plan.num_tokens + 1) // 2
+    relay_a1, relay_a2 = _select(relay_own, half), _select(relay_own, ~half)
+    counts = []
+    own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts)
 
-    # Round B: routes that arrived on the rail.
+    # Round B: routes that arrived on the rail; their sums start back on the rail at once.
     recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, rail)
     recv_x = _Landed.apply(send_x, inflight_x)
     recv_w = _Landed.apply(send_w, inflight_w)
     relay_b = relay_routes(plan, weights_TK, recv_meta, recv_w, 0, groups, S, include_local=False)
-    send_b, recv_b = node_counts(relay_b, groups, S)
-    out_b = expert_exchange(recv_x[relay_b.pool_R], send_b, recv_b, slots, groups, tile_rows)
-    relayed_PD = weighted_sum(out_b, relay_b.weight_R, relay_b.pool_R, sum(plan.rail_recv))
+    relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts)
+    inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
 
-    out_TD = return_to_sources(own_TD, relayed_PD, plan.pair_token_P, plan.rail_send, plan.rail_recv, groups)
-    add = lambda a, b: [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]  # noqa: E731
-    traffic = measure_traffic(plan, add(send_a, send_b), add(recv_a, recv_b), x_TD.shape[1] * x_TD.element_size(),
+    # Round A2: the other half of the own routes, while the results travel back.
+    own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts)
+    returned_PD = _Landed.apply(relayed_PD, inflight_back)
+    out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD)
+
+    send_GS, recv_GS = (_sum_counts([c[i] for c in counts]) for i in (0, 1))
+    traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(),
                               groups.topology, placement.owner_slots_per_rank, deepspeed_capacity)
     return out_TD, traffic
