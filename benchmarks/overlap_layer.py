@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--json-out", type=str, default=None)
+    p.add_argument("--metrics-out", "--json-out", dest="json_out", type=str, default=None,
+                   help="write the times and ratios as JSON (rank 0)")
     p.add_argument("--local_rank", type=int, default=0)  # set by the deepspeed launcher
     return p.parse_args()
 

@@ -16,6 +16,8 @@ VERBS: list[tuple[str, str]] = [
     ("plan", "ds_cobalt.commands.plan"),
     ("simulate", "ds_cobalt.commands.simulate"),
     ("trace", "ds_cobalt.commands.trace"),
+    ("calibrate", "ds_cobalt.commands.calibrate"),
+    ("report", "ds_cobalt.commands.report"),
 ]
 
 

@@ -9,14 +9,29 @@ HELP = "simulate cross-node traffic and load balance of a layout on a trace"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="routing trace .npz")
-    parser.add_argument("--layout", required=True, help="layout .json")
+    parser.add_argument("--trace", help="routing trace .npz (required unless --synth-gpus)")
+    parser.add_argument("--layout", help="layout .json (required unless --synth-gpus)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--replay", action="store_true",
                         help="replay the trace step by step: stage 1 every --replan-interval steps, stage 2 every step")
     parser.add_argument("--replan-interval", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16, help="steps the trace is cut into for --replay")
     parser.add_argument("--decay", type=float, default=0.7, help="EMA decay of the statistics for --replay")
+    hw = parser.add_argument_group("step time (cluster simulator, docs/simulator.md)")
+    hw.add_argument("--hardware", default=None, help="hardware preset: B200, H100, H200, emulated-cpu")
+    hw.add_argument("--hardware-json", default=None, help="custom hardware (ds-cobalt/hardware-v1 JSON)")
+    hw.add_argument("--inter-node-rate", default=None, help="override the inter-node bandwidth (e.g. 100mbit)")
+    hw.add_argument("--model-shape", default=None, help="mixtral, qwen or deepseek (hidden, ffn, layers, ...)")
+    hw.add_argument("--hidden", type=int, default=None, help="hidden size (overrides --model-shape)")
+    hw.add_argument("--ffn", type=int, default=None, help="expert intermediate size (overrides --model-shape)")
+    hw.add_argument("--ffn-matrices", type=int, default=None, help="3 = SwiGLU, 2 = plain MLP")
+    hw.add_argument("--dtype-bytes", type=int, default=None, help="bytes per activation element (2 = bf16)")
+    hw.add_argument("--step-tokens", type=int, default=None, help="tokens per step, all ranks (default: whole trace)")
+    hw.add_argument("--capacity-factor", type=float, default=1.25,
+                    help="DeepSpeed capacity factor (0 = pad to the largest expert count, drop_tokens=False)")
+    hw.add_argument("--min-capacity", type=int, default=4)
+    hw.add_argument("--synth-gpus", type=int, default=None,
+                    help="no trace: predict a synthetic --model-shape job on this many GPUs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.trace import load_trace
     from ..sim.metrics import METRICS, simulate
 
+    if args.hardware or args.hardware_json or args.synth_gpus:
+        return _run_step_time(args)
+    if not args.trace or not args.layout:
+        raise ValueError("--trace and --layout are required (or --synth-gpus with --model-shape and --hardware)")
     trace = load_trace(args.trace)
     layout = load_layout(args.layout)
     if args.replay:
@@ -47,4 +66,56 @@ def run(args: argparse.Namespace) -> int:
     print("mean".ljust(7) + "".join(f"{report['mean'][m]:.4f}".rjust(width + 2) for m in METRICS))
     if args.replay:
         print(f"replans: {report['replans']}, migrations: {report['migrations']}")
+    return 0
+
+
+def _run_step_time(args: argparse.Namespace) -> int:
+    """`--hardware`/`--hardware-json`: predicted MoE step time per variant and speedups vs DeepSpeed."""
+    from dataclasses import replace
+
+    from ..planner.layout import load_layout
+    from ..planner.trace import load_trace
+    from ..sim.cluster import format_prediction, predict_step_times, predict_synthetic
+    from ..sim.hardware import ModelShape, get_hardware, get_model_shape, load_hardware_json
+
+    if args.hardware and args.hardware_json:
+        raise ValueError("give --hardware or --hardware-json, not both")
+    if not (args.hardware or args.hardware_json):
+        raise ValueError("--synth-gpus needs --hardware PRESET or --hardware-json FILE")
+    hw = load_hardware_json(args.hardware_json) if args.hardware_json else get_hardware(args.hardware)
+    if args.inter_node_rate:
+        hw = hw.with_inter_node_rate(args.inter_node_rate)
+    cf = None if args.capacity_factor == 0 else args.capacity_factor
+    overrides = {k: v for k, v in (("hidden", args.hidden), ("ffn", args.ffn), ("ffn_matrices", args.ffn_matrices),
+                                   ("dtype_bytes", args.dtype_bytes)) if v is not None}
+    if args.synth_gpus:
+        if not args.model_shape:
+            raise ValueError("--synth-gpus needs --model-shape (mixtral, qwen, deepseek)")
+        shape = replace(get_model_shape(args.model_shape), **overrides)
+        pred = predict_synthetic(shape, hw, args.synth_gpus, capacity_factor=cf)
+        head = (f"{shape.name} on {args.synth_gpus} x {hw.name}: expert-parallel group {pred['ep']} GPUs = "
+                f"{pred['nodes']} nodes x {pred['gpus_per_node']}, {shape.moe_layers} MoE layers, "
+                f"{shape.tokens_per_gpu} tokens/GPU")
+    else:
+        if not args.trace or not args.layout:
+            raise ValueError("--hardware needs --trace and --layout (or --synth-gpus)")
+        trace = load_trace(args.trace)
+        layout = load_layout(args.layout)
+        if args.model_shape:
+            shape = replace(get_model_shape(args.model_shape), num_experts=trace.num_experts, top_k=trace.top_k,
+                            moe_layers=1, **overrides)
+        else:
+            missing = [k for k in ("hidden", "ffn") if k not in overrides]
+            if missing:
+                raise ValueError(f"--hardware needs --model-shape or {' and '.join('--' + k for k in missing)}")
+            shape = ModelShape(num_experts=trace.num_experts, top_k=trace.top_k, **overrides)
+        pred = predict_step_times(trace, layout, hw, shape, step_tokens=args.step_tokens, capacity_factor=cf,
+                                  min_capacity=args.min_capacity)
+        head = (f"{trace.num_layers} MoE layer(s), {pred['steps']} step(s), {layout.nodes} nodes x "
+                f"{layout.gpus_per_node} GPUs on {hw.name}")
+    if args.json:
+        print(json.dumps(pred, indent=1))
+        return 0
+    print(head)
+    print(format_prediction(pred))
     return 0

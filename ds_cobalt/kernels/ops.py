@@ -1,0 +1,109 @@
+"""The kernel interface: one function per op, each with an explicit `backend` choice.
+
+`backend="torch"` runs `ref.py` (the spec, any device). `backend="cupy"` runs the CUDA kernels of the
+repository's `cuda/` directory through CuPy (CUDA tensors only). `backend="auto"` picks cupy when the
+tensors are on CUDA and CuPy imports, else torch. Both backends agree up to floating-point summation
+order (the scatter-adds use atomics on the GPU).
+
+Legend: T tokens, K routes, N nodes, D hidden, P (token, remote node) pairs, R routes, O output rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from . import ref
+
+if TYPE_CHECKING:
+    from .flags import ChunkReadyFlags
+
+Backend = Literal["auto", "torch", "cupy"]
+_BACKENDS = ("auto", "torch", "cupy")
+
+__all__ = ["Backend", "chunk_ready_flags", "dedup_pairs", "gather_rows", "weighted_scatter_add", "resolve_backend",
+           "cupy_install_hint"]
+
+
+def cupy_install_hint() -> str:
+    """How to install CuPy for this machine (the wheel must match the CUDA major version)."""
+    cuda = torch.version.cuda
+    major = cuda.split(".")[0] if cuda else None
+    pick = f" (this torch is built for CUDA {cuda}: `pip install cupy-cuda{major}x`)" if major in ("12", "13") else ""
+    return ("install the CuPy wheel matching your CUDA major version, as `nvidia-smi` reports it: "
+            f"`pip install cupy-cuda12x` for CUDA 12.x or `pip install cupy-cuda13x` for CUDA 13.x{pick}; "
+            "or pass backend='torch'")
+
+
+def _cupy_import_error() -> str | None:
+    try:
+        importlib.import_module("cupy")
+    except Exception as exc:  # noqa: BLE001 - a broken install (e.g. wrong CUDA wheel) also means "no cupy"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor | None, device: torch.device | None = None) -> str:
+    """`"torch"` or `"cupy"` for these tensors (or this device); raises with the fix for impossible choices."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    devices = {t.device for t in tensors if t is not None}
+    if device is not None:
+        devices.add(torch.device(device))
+    on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "cupy" if on_cuda and _cupy_import_error() is None else "torch"
+    if not on_cuda:
+        raise ValueError(f"backend='cupy' needs CUDA tensors, got tensors on {sorted(map(str, devices))}; "
+                         "move them to the GPU (`.cuda()`) or pass backend='torch' (or 'auto')")
+    error = _cupy_import_error()
+    if error is not None:
+        raise ImportError(f"backend='cupy' needs CuPy, which does not import ({error}); {cupy_install_hint()}")
+    return "cupy"
+
+
+def _impl(backend: str, *tensors: torch.Tensor | None) -> ModuleType:
+    if resolve_backend(backend, *tensors) == "torch":
+        return ref
+    from . import cupy_backend
+
+    return cupy_backend
+
+
+def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int, *,
+                backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, remote node) pairs of one source rank: `(pair_token_P, rail_send_N, pair_index_TK)`.
+
+    `dest_node_TK`: `[T, K]` int32/int64, -1 = dropped. `pair_token_P`: `[P]` int64, node-major then token
+    order. `rail_send_N`: `[N]` int64 pairs per node. `pair_index_TK`: `[T, K]` int64 pair of each route,
+    -1 = local or dropped. Syncs with the host (P depends on the data). See `ref.dedup_pairs`.
+    """
+    return _impl(backend, dest_node_TK).dedup_pairs(dest_node_TK, src_node, num_nodes)
+
+
+def gather_rows(x_TD: torch.Tensor, index_P: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
+    """`[P, D]` = `x_TD[index_P]` (int32/int64 indices in `[0, T)`); differentiable in `x_TD`."""
+    return _impl(backend, x_TD, index_P).gather_rows(x_TD, index_P)
+
+
+def weighted_scatter_add(rows_RD: torch.Tensor, index_R: torch.Tensor, weight_R: torch.Tensor | None,
+                         num_out: int, *, base_OD: torch.Tensor | None = None,
+                         backend: Backend = "auto") -> torch.Tensor:
+    """`[num_out, D]` in the rows' dtype: `(base_OD +) sum_r rows_RD[r] * weight_R[r]` into row `index_R[r]`,
+    accumulated in float32. `weight_R=None` means unit weights. Differentiable in rows, weights and base.
+    """
+    return _impl(backend, rows_RD, index_R, weight_R, base_OD).weighted_scatter_add(
+        rows_RD, index_R, weight_R, num_out, base_OD=base_OD)
+
+
+def chunk_ready_flags(num_chunks: int, device: torch.device | str, *,
+                      backend: Backend = "auto") -> "ChunkReadyFlags":
+    """Per-chunk ready flags on `device` for the overlap scheduler; see `ds_cobalt.kernels.flags`."""
+    from .flags import ChunkReadyFlags
+
+    return ChunkReadyFlags(num_chunks, device, resolve_backend(backend, device=torch.device(device)))

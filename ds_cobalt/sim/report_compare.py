@@ -1,0 +1,159 @@
+"""Predicted vs measured step times of emulated-cluster runs (`ds-cobalt calibrate --compare RUNS_DIR`).
+
+RUNS_DIR holds `<rate>-<impl>/` folders from `benchmarks/e2e_cluster.py` (`metrics.json` of
+examples/train_moe.py, `links.json` of run_cluster.sh, `trace.npz`, or one `RUNS_DIR/trace.npz` for all).
+Per run:
+
+    step = max(t_fixed + moe_cpu(impl), (moe_link_bytes(impl) + other_link_bytes) / bw(rate))   (pipelined)
+    step = t_fixed' + other_link_bytes / bw(rate) + moe(impl, rate)                              (serial)
+
+- `moe`: the cluster simulator (`sim/cluster.py`) on the run's recorded trace, hardware = the calibrated
+  `emulated-cpu` numbers with the measured goodput of `rate` (variant `deepspeed` or `cobalt`);
+- `other_link_bytes`: bytes the node put on its link per step (tbf counter of run_cluster.sh) minus the MoE
+  bytes (the run's own traffic counters, forward x 2 for backward): gradient all-reduce, start-up;
+- `moe_cpu`: the simulator with an infinitely fast inter-node link; `moe_link_bytes`: its inter-node bytes of the
+  busiest node per step. The pipelined form is the prediction: tbf's 512 KiB bucket refills while ranks
+  compute and 4 ranks take turns on the link, so transfers overlap the CPU work (measured: the 100mbit steps
+  take just the link time); the serial form (the plain simulator) is kept for comparison;
+- `t_fixed`: everything else (attention, optimizer, Python), the same constant for every run, fitted on the
+  anchor run (by default the DeepSpeed run at the fastest rate). It is the only fitted number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..planner.layout import contiguous_layout
+from ..planner.trace import load_trace
+from .cluster import predict_step_times
+from .hardware import Hardware, ModelShape, parse_rate
+
+__all__ = ["load_runs", "compare_runs", "format_comparison", "measured_step_s"]
+
+
+def measured_step_s(metrics: dict) -> float:
+    """Median step time of a run, first step (lazy initialisation) left out."""
+    times = metrics["step_times_s"][1:] or metrics["step_times_s"]
+    return float(np.median(times))
+
+
+def load_runs(runs_dir: str | Path) -> dict[str, dict[str, dict]]:
+    """`{rate: {impl: {"metrics", "links", "trace_path"}}}` from `<rate>-<impl>/` folders."""
+    runs: dict[str, dict[str, dict]] = {}
+    shared = Path(runs_dir) / "trace.npz"  # one trace for every run (same seed = same routing)
+    for d in sorted(Path(runs_dir).iterdir()):
+        if not (d / "metrics.json").is_file() or "-" not in d.name:
+            continue
+        rate, impl = d.name.rsplit("-", 1)
+        links = json.loads((d / "links.json").read_text()) if (d / "links.json").is_file() else None
+        runs.setdefault(rate, {})[impl] = {
+            "metrics": json.loads((d / "metrics.json").read_text()),
+            "links": links,
+            "trace_path": str(d / "trace.npz") if (d / "trace.npz").is_file()
+            else str(shared) if shared.is_file() else None,
+        }
+    if not runs:
+        raise ValueError(f"{runs_dir}: no <rate>-<impl>/metrics.json folders (benchmarks/e2e_cluster.py output)")
+    return runs
+
+
+def _shape(metrics: dict) -> ModelShape:
+    m = metrics["model"]
+    dtype_bytes = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}.get(metrics.get("dtype"), 4)
+    return ModelShape(name="train_moe", num_experts=m["num_experts"], top_k=m["k"], hidden=m["d_model"],
+                      ffn=m["d_ff"], ffn_matrices=2, dtype_bytes=dtype_bytes, moe_layers=1,
+                      tokens_per_gpu=metrics["tokens_per_step"] // metrics["world_size"])
+
+
+def _run_prediction(run: dict, trace_path: str, hw: Hardware, variant: str) -> dict:
+    metrics = run["metrics"]
+    m = metrics["model"]
+    G = metrics["ranks_per_node"]
+    N = metrics["world_size"] // G
+    trace = load_trace(trace_path)
+    layout = contiguous_layout(m["num_experts"], N, G)  # the runtime's default placement
+    pred = predict_step_times(trace, layout, hw, _shape(metrics), step_tokens=metrics["tokens_per_step"],
+                              capacity_factor=m["capacity_factor"] if m.get("drop_tokens", True) else None,
+                              min_capacity=m.get("min_capacity", 4), variants=("deepspeed", variant))
+    # Same step with an infinitely fast inter-node link: the CPU side (compute, intra-node, per-call costs).
+    cpu = predict_step_times(trace, layout, hw.with_inter_node_rate(1e18), _shape(metrics),
+                             step_tokens=metrics["tokens_per_step"],
+                             capacity_factor=m["capacity_factor"] if m.get("drop_tokens", True) else None,
+                             min_capacity=m.get("min_capacity", 4), variants=(variant,))
+    return {"moe_s": pred["step_s"][variant], "moe_cpu_s": cpu["step_s"][variant],
+            "moe_link_bytes": pred["inter_node_bytes"][variant]}
+
+
+def _other_bytes(run: dict) -> float:
+    """Non-MoE bytes per node per step on the inter-node link (0 without links.json)."""
+    metrics, links = run["metrics"], run["links"]
+    if not links or not links.get("sent_bytes") or None in links["sent_bytes"]:
+        return 0.0
+    steps = metrics["steps"]
+    nodes = metrics["world_size"] // metrics["ranks_per_node"]
+    link = float(np.mean(links["sent_bytes"])) / steps
+    moe = 2.0 * metrics["traffic"]["inter_node_bytes"] / nodes / steps  # forward counters, x 2 for backward
+    return max(0.0, link - moe)
+
+
+def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | None = None) -> dict:
+    """Predicted vs measured step times and DeepSpeed / ds_cobalt ratios per rate (see module docstring)."""
+    runs = load_runs(runs_dir)
+    rows = []
+    for rate, impls in runs.items():
+        trace_path = next((r["trace_path"] for r in impls.values() if r["trace_path"]), None)
+        if trace_path is None:
+            raise ValueError(f"{runs_dir}/{rate}-*: no trace.npz (run with --trace-out)")
+        hw_rate = hw.with_inter_node_rate(rate)
+        for impl, run in impls.items():
+            pred = _run_prediction(run, trace_path, hw_rate, "deepspeed" if impl == "deepspeed" else "cobalt")
+            other = _other_bytes(run)
+            rows.append({"rate": rate, "impl": impl, "measured_s": measured_step_s(run["metrics"]),
+                         "other_bytes": other, "other_s": other / hw_rate.inter_node_bw_node,
+                         "bw": hw_rate.inter_node_bw_node, **pred})
+    if anchor is None:
+        fastest = max(runs, key=lambda r: hw.link_rates.get(r, parse_rate(r)))
+        anchor = (fastest, "deepspeed" if "deepspeed" in runs[fastest] else next(iter(runs[fastest])))
+    a = next(r for r in rows if (r["rate"], r["impl"]) == anchor)
+    t_fixed = a["measured_s"] - a["other_s"] - a["moe_s"]
+    a_link = (a["moe_link_bytes"] + a["other_bytes"]) / a["bw"]
+    t_fixed_pipe = a["measured_s"] - a["moe_cpu_s"] if a["measured_s"] > a_link else 0.0
+    for r in rows:
+        # Serial model: every transfer on the critical path (the alpha-beta sum of sim/cluster.py).
+        r["predicted_serial_s"] = t_fixed + r["other_s"] + r["moe_s"]
+        # Pipelined link (tbf bucket, 4 ranks taking turns): the link keeps sending while ranks compute, so
+        # a step is the larger of the CPU time and the link time.
+        r["link_s"] = (r["moe_link_bytes"] + r["other_bytes"]) / r["bw"]
+        r["predicted_s"] = max(t_fixed_pipe + r["moe_cpu_s"], r["link_s"])
+    ratios = []
+    for rate, impls in runs.items():
+        if "deepspeed" in impls and "cobalt" in impls:
+            ds = next(r for r in rows if r["rate"] == rate and r["impl"] == "deepspeed")
+            co = next(r for r in rows if r["rate"] == rate and r["impl"] == "cobalt")
+            meas, pred = ds["measured_s"] / co["measured_s"], ds["predicted_s"] / co["predicted_s"]
+            ratios.append({"rate": rate, "measured_ratio": meas, "predicted_ratio": pred,
+                           "serial_predicted_ratio": ds["predicted_serial_s"] / co["predicted_serial_s"],
+                           "moe_only_predicted_ratio": ds["moe_s"] / co["moe_s"],
+                           "rel_error": pred / meas - 1.0})
+    return {"t_fixed_s": t_fixed_pipe, "t_fixed_serial_s": t_fixed, "anchor": list(anchor), "runs": rows, "ratios": ratios,
+            "max_abs_rel_error": max((abs(r["rel_error"]) for r in ratios), default=0.0),
+            "hardware": hw.to_json_dict()}
+
+
+def format_comparison(result: dict) -> str:
+    lines = [f"t_fixed = {result['t_fixed_s'] * 1e3:.1f} ms (fitted on {'/'.join(result['anchor'])})",
+             f"{'rate':<9}{'impl':<11}{'measured ms':>12}{'predicted ms':>13}{'serial ms':>10}{'moe cpu ms':>11}"
+             f"{'link ms':>9}"]
+    for r in result["runs"]:
+        lines.append(f"{r['rate']:<9}{r['impl']:<11}{r['measured_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}"
+                     f"{r['predicted_serial_s'] * 1e3:>10.1f}{r['moe_cpu_s'] * 1e3:>11.1f}{r['link_s'] * 1e3:>9.1f}")
+    lines.append(f"{'rate':<9}{'DS/cobalt measured':>19}{'predicted':>11}{'error':>8}{'serial pred':>13}"
+                 f"{'MoE-only serial':>17}")
+    for r in result["ratios"]:
+        lines.append(f"{r['rate']:<9}{r['measured_ratio']:>19.3f}{r['predicted_ratio']:>11.3f}"
+                     f"{r['rel_error'] * 100:>7.1f}%{r['serial_predicted_ratio']:>13.3f}"
+                     f"{r['moe_only_predicted_ratio']:>17.3f}")
+    return "\n".join(lines)
