@@ -96,11 +96,20 @@ class OverlapConfig(_Section):
         return value
 
 
+class KernelsConfig(_Section):
+    """Kernel backend of the dispatcher's gathers, dedup and weighted sums (ds_cobalt.kernels): `torch`
+    (default; the reference), `cupy` (CUDA kernels, needs CuPy and GPU tensors), `auto` (cupy on GPU when
+    CuPy imports). The CuPy kernels have not yet been run on a GPU (docs/kernels.md)."""
+
+    backend: Literal["torch", "cupy", "auto"] = "torch"
+
+
 class CobaltConfig(_Section):
     topology: TopologyConfig = TopologyConfig()
     traffic: TrafficConfig = TrafficConfig()
     trace: TraceConfig = TraceConfig()
     overlap: OverlapConfig = OverlapConfig()
+    kernels: KernelsConfig = KernelsConfig()
     planner: PlannerConfig = PlannerConfig()
     migration: MigrationConfig = MigrationConfig()
 

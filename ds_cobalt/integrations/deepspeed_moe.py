@@ -139,11 +139,11 @@ class MoE(DeepSpeedMoE):
                 tile_rows = self.tile_tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
                 timing = self.tile_tuner.start(x_TD.device)
             output, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
-                                             tile_rows, int(capacity))
+                                             tile_rows, int(capacity), self.cobalt_config.kernels.backend)
             self.tile_tuner.record(timing, x_TD.device, groups)
         else:
             rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
-                                       deepspeed_capacity=int(capacity))
+                                       deepspeed_capacity=int(capacity), backend=self.cobalt_config.kernels.backend)
             out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
                                  [None if slot is None else _bind(slot) for slot in slots])
             output, traffic = combine(out_QD, handle, groups), handle.traffic

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
 from .comm import all_to_all_ints, all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups, Topology
@@ -77,10 +78,14 @@ class DispatchHandle:
     expert_slot_Q: torch.Tensor  # [Q] int64 slot of each received row
     slot_counts: tuple[int, ...]  # [S] rows received per slot
     traffic: StepTraffic
+    backend: str = "torch"  # kernel backend for combine
 
 
-def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups) -> RailPlan:
-    """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync)."""
+def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
+              backend: str = "torch") -> RailPlan:
+    """Task assignment, (token, remote node) dedup and the rail count exchange.
+
+    `backend`: kernel backend of `ds_cobalt.kernels` ("torch", "cupy" or "auto")."""
     topo = groups.topology
     T, _ = topk_ids_TK.shape
     N, G = topo.nodes, topo.ranks_per_node
@@ -91,18 +96,14 @@ def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGr
     remote_TK = valid_TK & (dest_node_TK != topo.node)
 
     # Step 1: (token, remote node) pairs, node-major, and the remote routes in the same node order.
+    pair_token_P, rail_send_N, pair_index_TK = dedup_pairs(dest_node_TK, topo.node, N, backend=backend)
     route_t, route_k = remote_TK.nonzero(as_tuple=True)
     route_node = dest_node_TK[route_t, route_k]
     by_node = torch.argsort(route_node, stable=True)
     route_t, route_k, route_node = route_t[by_node], route_k[by_node], route_node[by_node]
-    pair_NT = torch.zeros((N, T), dtype=torch.bool, device=device)
-    pair_NT[route_node, route_t] = True
-    _, pair_token_P = pair_NT.nonzero(as_tuple=True)
-    rail_send_N = pair_NT.sum(1)
     pair_start_N = torch.cumsum(rail_send_N, 0) - rail_send_N
-    pair_pos_NT = torch.cumsum(pair_NT.reshape(-1), 0).reshape(N, T) - 1
     route_meta_R3 = torch.stack([
-        pair_pos_NT[route_node, route_t] - pair_start_N[route_node],
+        pair_index_TK[route_t, route_k] - pair_start_N[route_node],
         dest_rank_TK[route_t, route_k] % G,
         dest_slot_TK[route_t, route_k],
     ], dim=1).to(torch.int32)  # int32 halves the metadata bytes on the slow link
@@ -123,10 +124,11 @@ def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGr
     )
 
 
-def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor,
-                 plan: RailPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan,
+                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What goes on the rail: pair rows `[P_out, D]`, route metadata `[R_out, 3]`, route weights `[R_out]`."""
-    return x_TD[plan.pair_token_P], plan.route_meta_R3, weights_TK[plan.route_t, plan.route_k]
+    return (gather_rows(x_TD, plan.pair_token_P, backend=backend), plan.route_meta_R3,
+            weights_TK[plan.route_t, plan.route_k])
 
 
 def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_meta_R3: torch.Tensor | None,
@@ -174,18 +176,18 @@ def measure_traffic(plan: RailPlan, send_GS: Sequence[Sequence[int]], recv_GS: S
 
 
 def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-             placement: LayerPlacement, groups: EPGroups,
-             deepspeed_capacity: int) -> tuple[torch.Tensor, DispatchHandle]:
+             placement: LayerPlacement, groups: EPGroups, deepspeed_capacity: int,
+             backend: str = "torch") -> tuple[torch.Tensor, DispatchHandle]:
     """Send token rows to the copies chosen by `assign_tasks`; return `[Q, D]` rows and the handle.
 
     `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable).
     `deepspeed_capacity`: the C of DeepSpeed's padded E x C buffers, only for the traffic counters.
     """
     S = placement.slots_per_rank
-    plan = plan_rail(topk_ids_TK, placement, groups)
+    plan = plan_rail(topk_ids_TK, placement, groups, backend)
 
     # Step 3: inter-node stage (rail).
-    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan)
+    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan, backend)
     recv_x = all_to_all_rows(send_x, plan.rail_send, plan.rail_recv, groups.rail_group)
     recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, groups.rail_group)
     recv_w = all_to_all_rows(send_w, plan.route_send, plan.route_recv, groups.rail_group)
@@ -199,28 +201,28 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     node_recv = tuple(sum(row) for row in recv_GS)
     slot_counts = tuple(sum(col) for col in zip(*recv_GS))
     pool_D = torch.cat([x_TD, recv_x])  # always, so every rank's backward runs the same collectives
-    rows_QD = all_to_all_rows(pool_D[relay.pool_R], node_send, node_recv, groups.node_group)
+    rows_QD = all_to_all_rows(gather_rows(pool_D, relay.pool_R, backend=backend), node_send, node_recv,
+                              groups.node_group)
     slot_Q = all_to_all_ints(relay.slot_R, node_send, node_recv, groups.node_group)
 
     traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(), groups.topology,
                               placement.owner_slots_per_rank, deepspeed_capacity)
     handle = DispatchHandle(plan.num_tokens, plan.pair_token_P, plan.rail_send, plan.rail_recv, relay,
-                            node_send, node_recv, slot_Q, slot_counts, traffic)
+                            node_send, node_recv, slot_Q, slot_counts, traffic, backend)
     return rows_QD, handle
 
 
-def weighted_sum(rows_RD: torch.Tensor, weight_R: torch.Tensor, index_R: torch.Tensor, num_out: int) -> torch.Tensor:
+def weighted_sum(rows_RD: torch.Tensor, weight_R: torch.Tensor, index_R: torch.Tensor, num_out: int,
+                 backend: str = "torch") -> torch.Tensor:
     """`out[index[r]] += weight[r] * rows[r]`, accumulated in fp32, returned in the rows' dtype."""
-    contrib_RD = rows_RD.float() * weight_R.float().unsqueeze(1)
-    out = contrib_RD.new_zeros((num_out, rows_RD.shape[1])).index_add(0, index_R, contrib_RD)
-    return out.to(rows_RD.dtype)
+    return weighted_scatter_add(rows_RD, index_R, weight_R, num_out, backend=backend)
 
 
 def combine(expert_out_QD: torch.Tensor, handle: DispatchHandle, groups: EPGroups) -> torch.Tensor:
     """Weighted sum of every route's expert output per token, `[T, D]` in the experts' dtype."""
     back_RD = all_to_all_rows(expert_out_QD, handle.node_recv, handle.node_send, groups.node_group)
     pooled = weighted_sum(back_RD, handle.relay.weight_R, handle.relay.pool_R,
-                          handle.num_tokens + sum(handle.rail_recv))
+                          handle.num_tokens + sum(handle.rail_recv), handle.backend)
     return return_to_sources(pooled[: handle.num_tokens], pooled[handle.num_tokens:], handle.pair_token_P,
                              handle.rail_send, handle.rail_recv, groups)
 

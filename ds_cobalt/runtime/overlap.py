@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
+from ..kernels import gather_rows
 from .comm import all_to_all_ints
 from .dispatch import RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes, weighted_sum
 from .placement import LayerPlacement
@@ -252,13 +253,14 @@ def _select(relay: RelayRoutes, keep_R: torch.Tensor) -> RelayRoutes:
 
 
 def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: Sequence[SlotExpert | None],
-                 groups: EPGroups, tile_rows: int, counts: list) -> torch.Tensor:
+                 groups: EPGroups, tile_rows: int, counts: list, backend: str) -> torch.Tensor:
     """Intra-node exchange + experts + weighted sum per pool row for one set of relay routes."""
     S = len(slots)
     send_GS, recv_GS = node_counts(relay, groups, S)
     counts.append((send_GS, recv_GS))
-    out_RD = expert_exchange(pool_D[relay.pool_R], send_GS, recv_GS, slots, groups, tile_rows)
-    return weighted_sum(out_RD, relay.weight_R, relay.pool_R, num_out)
+    rows_RD = gather_rows(pool_D, relay.pool_R, backend=backend)
+    out_RD = expert_exchange(rows_RD, send_GS, recv_GS, slots, groups, tile_rows)
+    return weighted_sum(out_RD, relay.weight_R, relay.pool_R, num_out, backend)
 
 
 def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
@@ -267,11 +269,11 @@ def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
 
 def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
-                   tile_rows: int, deepspeed_capacity: int) -> tuple[torch.Tensor, StepTraffic]:
+                   tile_rows: int, deepspeed_capacity: int, backend: str = "torch") -> tuple[torch.Tensor, StepTraffic]:
     """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic."""
     S = placement.slots_per_rank
-    plan = plan_rail(topk_ids_TK, placement, groups)
-    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan)
+    plan = plan_rail(topk_ids_TK, placement, groups, backend)
+    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan, backend)
     rail = groups.rail_group
     inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
     inflight_w = _Inflight(send_w, plan.route_send, plan.route_recv, rail)
@@ -281,18 +283,19 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     half = relay_own.pool_R < (plan.num_tokens + 1) // 2
     relay_a1, relay_a2 = _select(relay_own, half), _select(relay_own, ~half)
     counts = []
-    own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts)
+    own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts, backend)
 
     # Round B: routes that arrived on the rail; their sums start back on the rail at once.
     recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, rail)
     recv_x = _Landed.apply(send_x, inflight_x)
     recv_w = _Landed.apply(send_w, inflight_w)
     relay_b = relay_routes(plan, weights_TK, recv_meta, recv_w, 0, groups, S, include_local=False)
-    relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts)
+    relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts,
+                              backend)
     inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
 
     # Round A2: the other half of the own routes, while the results travel back.
-    own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts)
+    own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts, backend)
     returned_PD = _Landed.apply(relayed_PD, inflight_back)
     out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD)
 
