@@ -68,6 +68,32 @@ def _tile_slot_counts(counts_S: Sequence[int], a: int, b: int) -> list[int]:
     return out
 
 
+def _chunked_exchange(spec: _Exchange, rows_RD: torch.Tensor, kinds: tuple[int, int], work_on) -> torch.Tensor:
+    """Send this relay's blocks to their local ranks in tiles; run `work_on(peer, tile, rows, a, b)` on the own
+    block first, then on each incoming tile as it lands, sending each result straight back; return the
+    results of this relay's rows, in their order. `kinds`: message kinds of the rows and of the results."""
+    send_n = [sum(row) for row in spec.send_GS]
+    recv_n = [sum(row) for row in spec.recv_GS]
+    blocks = rows_RD.split(send_n)
+    D = rows_RD.shape[1]
+    outbound, inbound = kinds
+    peers = [(spec.me + i) % len(send_n) for i in range(1, len(send_n))]
+    incoming = [(p, i, a, b, _recv(rows_RD.new_empty(b - a, D), spec, p, outbound, i))
+                for p in peers for i, (a, b) in enumerate(_tiles(recv_n[p], spec.tile_rows))]
+    results = {p: [_recv(rows_RD.new_empty(b - a, D), spec, p, inbound, i)
+                   for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))] for p in peers}
+    sends = [_send(blocks[p][a:b], spec, p, outbound, i)
+             for p in peers for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))]
+    own = work_on(spec.me, 0, blocks[spec.me], 0, send_n[spec.me])
+    for p, i, a, b, (buf, _) in _as_they_land(incoming):
+        sends.append(_send(work_on(p, i, buf, a, b), spec, p, inbound, i))
+    pieces = [own if d == spec.me else torch.cat([_wait(r) for r in results[d]] or [own[:0]])
+              for d in range(len(send_n))]
+    for _, work in sends:
+        work.wait()
+    return torch.cat(pieces)
+
+
 class _ExpertExchange(torch.autograd.Function):
     """Relay rows `[R, D]` (sorted by destination local rank, slot) -> expert outputs `[R, D]`, chunked."""
 
@@ -75,56 +101,27 @@ class _ExpertExchange(torch.autograd.Function):
     def forward(ctx, spec: _Exchange, rows_RD: torch.Tensor, *tensors: torch.Tensor):  # type: ignore[override]
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         slot_leaves = _split_by_slot(spec.slots, leaves)
-        send_n = [sum(row) for row in spec.send_GS]
-        recv_n = [sum(row) for row in spec.recv_GS]
-        blocks = rows_RD.split(send_n)
-        D = rows_RD.shape[1]
-        peers = [(spec.me + i) % len(send_n) for i in range(1, len(send_n))]
-        incoming = [(p, i, a, b, _recv(rows_RD.new_empty(b - a, D), spec, p, _ROWS, i))
-                    for p in peers for i, (a, b) in enumerate(_tiles(recv_n[p], spec.tile_rows))]
-        results = {p: [_recv(rows_RD.new_empty(b - a, D), spec, p, _OUT, i)
-                       for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))] for p in peers}
-        sends = [_send(blocks[p][a:b], spec, p, _ROWS, i)
-                 for p in peers for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))]
-
         chunks: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
-        own = _compute(spec, slot_leaves, blocks[spec.me], spec.recv_GS[spec.me], chunks, (spec.me, 0))
-        for p, i, a, b, (buf, work) in _as_they_land(incoming):
-            out = _compute(spec, slot_leaves, buf, _tile_slot_counts(spec.recv_GS[p], a, b), chunks, (p, i))
-            sends.append(_send(out, spec, p, _OUT, i))
-        pieces = [own if d == spec.me else torch.cat([_wait(r) for r in results[d]] or [own[:0]])
-                  for d in range(len(send_n))]
-        for _, work in sends:
-            work.wait()
+
+        def compute(peer: int, tile: int, rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            counts_S = _tile_slot_counts(spec.recv_GS[peer], a, b)
+            return _compute(spec, slot_leaves, rows, counts_S, chunks, (peer, tile))
+
+        out = _chunked_exchange(spec, rows_RD, (_ROWS, _OUT), compute)
         ctx.spec, ctx.chunks, ctx.slot_leaves, ctx.leaves = spec, chunks, slot_leaves, leaves
-        return torch.cat(pieces)
+        return out
 
     @staticmethod
     def backward(ctx, grad_RD):  # type: ignore[override]
-        spec, chunks = ctx.spec, ctx.chunks
-        grad_RD = grad_RD.contiguous()
-        send_n = [sum(row) for row in spec.send_GS]
-        recv_n = [sum(row) for row in spec.recv_GS]
-        D = grad_RD.shape[1]
-        grads = grad_RD.split(send_n)
-        peers = [(spec.me + i) % len(send_n) for i in range(1, len(send_n))]
-        incoming = [(p, i, a, b, _recv(grad_RD.new_empty(b - a, D), spec, p, _GRAD, i))
-                    for p in peers for i, (a, b) in enumerate(_tiles(recv_n[p], spec.tile_rows))]
-        grad_in = {p: [_recv(grad_RD.new_empty(b - a, D), spec, p, _GRAD_IN, i)
-                       for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))] for p in peers}
-        sends = [_send(grads[p][a:b], spec, p, _GRAD, i)
-                 for p in peers for i, (a, b) in enumerate(_tiles(send_n[p], spec.tile_rows))]
         param_grads: list[torch.Tensor | None] = [None] * len(ctx.leaves)
-        own = _backprop(ctx, chunks.get((spec.me, 0)), grads[spec.me], param_grads)
-        for p, i, _, _, (buf, work) in _as_they_land(incoming):
-            sends.append(_send(_backprop(ctx, chunks.get((p, i)), buf, param_grads), spec, p, _GRAD_IN, i))
-        pieces = [own if d == spec.me else torch.cat([_wait(r) for r in grad_in[d]] or [own[:0]])
-                  for d in range(len(send_n))]
-        for _, work in sends:
-            work.wait()
+
+        def backprop(peer: int, tile: int, grad_rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return _backprop(ctx, ctx.chunks.get((peer, tile)), grad_rows, param_grads)
+
+        grad_rows_RD = _chunked_exchange(ctx.spec, grad_RD.contiguous(), (_GRAD, _GRAD_IN), backprop)
         param_grads = [torch.zeros_like(leaf) if g is None and leaf.requires_grad else g
                        for g, leaf in zip(param_grads, ctx.leaves)]
-        return (None, torch.cat(pieces), *param_grads)
+        return (None, grad_rows_RD, *param_grads)
 
 
 def _split_by_slot(slots: Sequence[SlotExpert | None], leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
