@@ -17,10 +17,21 @@ from ..runtime.traffic import sum_totals
 from .deepspeed_moe import MoE
 
 
+_LAYER_TYPES: tuple[type, ...] = (MoE,)
+
+
+def register_layer_type(cls: type) -> type:
+    """Make `cobalt_layers` (traffic, stats, step hooks) see another ds_cobalt layer class (e.g. AutoEP's)."""
+    global _LAYER_TYPES
+    if cls not in _LAYER_TYPES:
+        _LAYER_TYPES = (*_LAYER_TYPES, cls)
+    return cls
+
+
 def cobalt_layers(model: torch.nn.Module) -> list[MoE]:
     """The ds_cobalt MoE layers of a model (or of a DeepSpeed engine's module), in module order."""
     module = getattr(model, "module", model)
-    return [m for m in module.modules() if isinstance(m, MoE)]
+    return [m for m in module.modules() if isinstance(m, _LAYER_TYPES)]
 
 
 def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
@@ -53,6 +64,10 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     result = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
     engine = result[0]
     engine.cobalt_config = cobalt
+    if ds_config.get("expert_parallel", {}).get("enabled"):  # AutoEP replaced the MoE blocks just now
+        from .auto_ep import adopt_auto_ep_layers
+
+        layers = [*layers, *adopt_auto_ep_layers(engine, cobalt)]
     if layers:
         _install_step_hooks(engine, _step_hooks(engine, cobalt))
     return result
@@ -79,6 +94,14 @@ def _step_hooks(engine, cobalt: CobaltConfig) -> list[StepHook]:
                     logger.info(f"ds_cobalt: wrote routing trace of {cobalt.trace.steps} steps to {cobalt.trace.path}")
 
         hooks.append(trace_hook)
+    if cobalt.migration.checkpoint_logical_order:
+        from .checkpoint import install_checkpoint_hooks
+
+        install_checkpoint_hooks(engine)  # not a step hook: wraps save/load_checkpoint (logical expert order)
+    if cobalt.planner.replan_interval:
+        from .replan import Replanner
+
+        hooks.append(Replanner(engine, cobalt))
     return hooks
 
 

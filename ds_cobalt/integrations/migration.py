@@ -34,7 +34,7 @@ from ..runtime.placement import build_placement
 from .deepspeed_moe import MoE
 
 __all__ = ["OwnerMoves", "MigrationReport", "plan_owner_moves", "migrate", "relink_optimizer_state",
-           "set_fault_hook", "ExpertStateIO"]
+           "set_fault_hook", "ExpertStateIO", "moe_layers"]
 
 # fault_hook(stage, layer_index) is called on every rank at "pack" (rows read), "transfer" (before the
 # all-to-all) and "stage" (rows received); raising there simulates a failure on that rank.
@@ -129,9 +129,11 @@ class ExpertStateIO:
         if hasattr(reference, "_hp_mapping"):
             self.mode = "fragment"  # ZeRO-1/2, DeepSpeed's bf16 optimizer
             relink_optimizer_state(opt)
-            mapping = reference._hp_mapping
-            keys = [] if mapping is None or mapping.optim_fragment is None else mapping.get_optim_state_keys()
-            self.moment_keys = sorted(keys)
+            # Keys from the flat partitions' state (every rank holds some), not from this parameter's
+            # fragment, which is absent on ranks whose partition does not cover it.
+            inner = getattr(opt, "optimizer", opt)
+            self.moment_keys = sorted({k for st in inner.state.values() for k, v in st.items()
+                                       if torch.is_tensor(v) and v.dim() > 0})
             self.fields = ["weight", "fp32", *self.moment_keys]
             return
         if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
@@ -227,6 +229,14 @@ class MigrationReport:
     error: str | None = None  # this rank's error, if it failed here
 
 
+def moe_layers(engine: Any) -> list[MoE]:
+    """The `ds_cobalt.MoE` layers of an engine, in module order. Other ds_cobalt layer types (AutoEP's fused
+    experts) are not migrated: their layout stays as it is."""
+    from .engine import cobalt_layers
+
+    return [layer for layer in cobalt_layers(engine) if isinstance(layer, MoE)]
+
+
 def _expert_params(layer: MoE, slot: int) -> list[torch.nn.Parameter]:
     return list(layer.deepspeed_moe.experts.deepspeed_experts[slot].parameters())
 
@@ -239,10 +249,8 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
     steps. Returns the report (also logged, written to the DeepSpeed monitor and appended to
     `engine.cobalt_migrations`). ValueError for an invalid layout (before any communication).
     """
-    from .engine import cobalt_layers
-
     fault_hook = fault_hook or _FAULT_HOOK
-    layers = cobalt_layers(engine)
+    layers = moe_layers(engine)
     if len(new_slots) != len(layers):
         raise ValueError(f"migrate: got {len(new_slots)} layouts for {len(layers)} ds_cobalt layers")
     step = int(getattr(engine, "global_steps", 0))

@@ -1,0 +1,124 @@
+"""Checkpoints in logical expert order through DeepSpeed's own `engine.save_checkpoint` / `load_checkpoint`.
+
+DeepSpeed names each saved expert file by `ep_rank * num_local_experts + local_id`, and stores the expert
+optimizer state per EP rank (ZeRO: `zero_pp_rank_*` partitions of the expert param group; no ZeRO:
+`expp_rank_*_optim_states.pt`), in module order. Both are logical expert order exactly when the owners sit
+in DeepSpeed's contiguous layout. So `save_checkpoint` migrates to the contiguous layout (weights and
+optimizer state, `migration.migrate`), lets DeepSpeed write, and migrates back; the ds_cobalt layout rides
+along in the client state under `"ds_cobalt"`. `load_checkpoint` installs the contiguous tables, lets
+DeepSpeed load, re-links ZeRO's optimizer-state fragments, and migrates to the saved layout when the
+topology matches (else training continues from the contiguous layout, and the next replan moves it).
+
+The files are therefore exactly DeepSpeed's: they load into vanilla `deepspeed.moe.layer.MoE` and back.
+What DeepSpeed's format itself cannot do, ds_cobalt does not add: optimizer state at a different data-
+parallel / expert-parallel world size (ZeRO-1/2 raise "Automatic adjustment of ZeRO's optimizer state
+partitioning with a new world size is not currently supported"; without ZeRO the per-EP-rank optimizer
+file holds a different number of experts). At a different world size load with `load_module_only=True`
+(all expert weights, from the per-expert files) or `load_optimizer_states=False`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from deepspeed.utils import logger
+
+from ..planner.layout import contiguous_layout
+from .deepspeed_moe import MoE
+from .migration import migrate, moe_layers, relink_optimizer_state
+
+CLIENT_KEY = "ds_cobalt"
+FORMAT = "ds-cobalt/checkpoint-v1"
+
+
+def _contiguous(layer: MoE) -> np.ndarray:
+    topo = layer.topology
+    return contiguous_layout(layer.num_experts, topo.nodes, topo.ranks_per_node).layer(0)
+
+
+def _owners_contiguous(layer: MoE) -> bool:
+    P = layer.num_local_experts
+    return np.array_equal(layer.layout_slots[:, :P], _contiguous(layer))
+
+
+def install_checkpoint_hooks(engine: Any) -> None:
+    """Wrap `engine.save_checkpoint` / `engine.load_checkpoint` (same signatures and results)."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir, tag=None, client_state=None, *args: Any, **kwargs: Any):
+        return save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
+        return load_logical(engine, load, load_dir, tag, *args, **kwargs)
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+
+
+def layout_metadata(layers: list[MoE]) -> dict:
+    topo = layers[0].topology
+    return {"format": FORMAT, "ep_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
+            "num_experts": layers[0].num_experts, "layouts": [layer.layout_slots.tolist() for layer in layers]}
+
+
+def save_logical(engine: Any, save: Any, save_dir: str, tag: Any, client_state: dict | None,
+                 *args: Any, **kwargs: Any) -> Any:
+    layers = moe_layers(engine)
+    state = dict(client_state or {})
+    if not layers:
+        return save(save_dir, tag, state, *args, **kwargs)
+    current = [layer.layout_slots.copy() for layer in layers]
+    state[CLIENT_KEY] = layout_metadata(layers)
+    targets = [None if _owners_contiguous(layer) else _contiguous(layer) for layer in layers]
+    moved = any(t is not None for t in targets)
+    if moved:
+        report = migrate(engine, targets, reason="checkpoint: to logical order")
+        if not report.ok:
+            raise RuntimeError(f"ds_cobalt: could not migrate to logical expert order before saving "
+                               f"({report.error or 'failed on another rank'}); nothing was saved")
+    try:
+        return save(save_dir, tag, state, *args, **kwargs)
+    finally:
+        if moved:
+            back = migrate(engine, current, reason="checkpoint: back to the training layout")
+            if not back.ok:
+                logger.error("ds_cobalt: could not migrate back after saving; training continues in the "
+                             "contiguous layout (correct, but without the planned placement)")
+
+
+def load_logical(engine: Any, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+    layers = moe_layers(engine)
+    before = [layer.layout_slots.copy() for layer in layers]
+    for layer in layers:  # DeepSpeed loads expert files into owner modules in contiguous order
+        layer._install_layout(_contiguous(layer))
+    try:
+        result = load(load_dir, tag, *args, **kwargs)
+    except BaseException:
+        for layer, slots in zip(layers, before):
+            layer._install_layout(slots)
+        raise
+    path, client_state = result
+    if path is None:  # nothing loaded: the parameters still match the old tables
+        for layer, slots in zip(layers, before):
+            layer._install_layout(slots)
+        return result
+    relink_optimizer_state(engine.optimizer)
+    meta = (client_state or {}).get(CLIENT_KEY)
+    if layers and meta is not None:
+        topo = layers[0].topology
+        expected = (FORMAT, topo.world_size, topo.ranks_per_node, layers[0].num_experts, len(layers))
+        found = (meta.get("format"), meta.get("ep_size"), meta.get("ranks_per_node"), meta.get("num_experts"),
+                 len(meta.get("layouts", [])))
+        if found == expected:
+            report = migrate(engine, [np.asarray(s, dtype=np.int64) for s in meta["layouts"]],
+                             reason="checkpoint: restore saved layout")
+            if not report.ok:
+                logger.error("ds_cobalt: could not restore the saved layout; continuing in the contiguous one")
+        else:
+            logger.info(f"ds_cobalt: checkpoint layout is for (ep_size, ranks_per_node, experts, layers) = "
+                        f"{found[1:]}, this run is {expected[1:]}; continuing from the contiguous layout")
+    return result
