@@ -1,27 +1,106 @@
-"""Run examples/train_moe.py on the emulated 2 x 2 cluster at several inter-node rates, both implementations.
+"""End-to-end comparison on the emulated 2 x 2 cluster: DeepSpeed's MoE vs ds_cobalt, back to back.
 
     sudo python benchmarks/e2e_cluster.py [--rates 100mbit 1gbit 10gbit] [--steps 30] [--out runs/e2e]
 
-One `benchmarks/cluster/run_cluster.sh` job per (rate, implementation), run one after the other (the
-machine has 2 cores); each writes `OUT/<rate>-<impl>/metrics.json` (+ `trace.npz`, `links.json`).
-`ds-cobalt calibrate --compare OUT` then compares the measured step-time ratios with the simulator.
+Variants (same data, seed and initial weights; examples/train_moe.py):
+  a  deepspeed          DeepSpeed's own MoE layer and all-to-all
+  b  cobalt             ds_cobalt, contiguous layout: each token crosses to each remote node once
+  c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
+                        optimizer state) + overlap (`cobalt.overlap`)
+One `benchmarks/cluster/run_cluster.sh` job per (rate, variant), one after the other (2 cores). Each writes
+`OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`). Prints, per rate,
+tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, and the
+largest loss difference to (a); writes `OUT/summary.json` and `OUT/summary.md`.
+`ds-cobalt calibrate --compare OUT` compares the measured step-time ratios with the simulator.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+VARIANTS = {
+    "deepspeed": {"impl": "deepspeed", "cobalt": {}},
+    "cobalt": {"impl": "cobalt", "cobalt": {}},
+    "cobalt-placement": {"impl": "cobalt", "cobalt": {
+        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 1},
+        "overlap": {"enabled": True},
+    }},
+}
+
+
+def rate_gbps(rate: str) -> float:
+    """tc rate syntax (100mbit, 1gbit, 10gbit) -> Gbit/s."""
+    match = re.fullmatch(r"([\d.]+)\s*(k|m|g)?bit", rate.lower())
+    if not match:
+        raise ValueError(f"--rates: cannot read {rate!r}; use tc syntax like 100mbit or 1gbit")
+    scale = {"k": 1e-6, "m": 1e-3, "g": 1.0, None: 1e-9}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
+def variant_config(base: dict, variant: str, rate: str) -> dict:
+    config = json.loads(json.dumps(base))
+    cobalt = config.setdefault("cobalt", {})
+    for key, value in VARIANTS[variant]["cobalt"].items():
+        cobalt[key] = {**cobalt.get(key, {}), **value}
+    if variant == "cobalt-placement":  # the migration cost model prices moves at this run's link speed
+        cobalt["migration"] = {**cobalt.get("migration", {}), "inter_node_gbps": rate_gbps(rate)}
+    return config
+
+
+def summarize(out: Path, rates: list[str], variants: list[str]) -> dict:
+    rows = []
+    for rate in rates:
+        base = _metrics(out / f"{rate}-deepspeed")
+        for variant in variants:
+            m = _metrics(out / f"{rate}-{variant}")
+            if m is None:
+                rows.append({"rate": rate, "variant": variant, "failed": True})
+                continue
+            steps = max(1, m["steps"])
+            row = {
+                "rate": rate, "variant": variant, "tokens_per_s": m["tokens_per_s"],
+                "speedup_vs_deepspeed": m["tokens_per_s"] / base["tokens_per_s"] if base else None,
+                "cross_node_bytes_per_step": m["traffic"]["inter_node_bytes"] / steps,
+                "expert_load_max_over_mean": m.get("expert_load_max_over_mean"),
+                "max_loss_diff_vs_deepspeed": (max(abs(a - b) for a, b in zip(m["losses"], base["losses"]))
+                                               if base else None),
+                "migrations": m.get("migrations"),
+            }
+            rows.append(row)
+    return {"rows": rows}
+
+
+def _metrics(run: Path) -> dict | None:
+    path = run / "metrics.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| rate | variant | tokens/s | vs DeepSpeed | cross-node MB/step | load max/mean | max loss diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        if r.get("failed"):
+            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | |")
+            continue
+        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        lines.append(f"| {r['rate']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
+                     f"{fmt(r['speedup_vs_deepspeed'], '.2f')} | {r['cross_node_bytes_per_step'] / 1e6:.2f} | "
+                     f"{fmt(r['expert_load_max_over_mean'], '.3f')} | {fmt(r['max_loss_diff_vs_deepspeed'], '.1e')} |")
+    return "\n".join(lines) + "\n"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
-    p.add_argument("--impls", nargs="+", default=["deepspeed", "cobalt"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--config", default="ds_config_templates/cpu_2nodes_x_2ranks.json")
@@ -29,22 +108,35 @@ def main(argv: list[str] | None = None) -> int:
                    help="source tree to run (e.g. a `git archive HEAD` snapshot); put first on PYTHONPATH")
     p.add_argument("extra", nargs="*", help="more train_moe.py arguments (after --)")
     args = p.parse_args(argv)
+    for rate in args.rates:
+        rate_gbps(rate)  # fail early on a bad rate
+    base = json.loads((Path(args.repo) / args.config).read_text())
+    out_root = Path(args.out).resolve()
     failed = 0
     for rate in args.rates:
-        for impl in args.impls:
-            out = (Path(args.out) / f"{rate}-{impl}").resolve()
+        for variant in args.variants:
+            out = out_root / f"{rate}-{variant}"
             out.mkdir(parents=True, exist_ok=True)
+            config = out / "ds_config.json"
+            config.write_text(json.dumps(variant_config(base, variant, rate), indent=2))
             cmd = [
-                "bash", str(Path(args.repo) / "benchmarks/cluster/run_cluster.sh"), "--rate", rate, "--out", str(out), "--",
-                "--deepspeed_config", args.config, "--moe-impl", impl, "--steps", str(args.steps),
-                "--metrics-out", str(out / "metrics.json"), "--trace-out", str(out / "trace.npz"), *args.extra,
+                "bash", str(Path(args.repo) / "benchmarks/cluster/run_cluster.sh"), "--rate", rate, "--out", str(out),
+                "--", "--deepspeed_config", str(config), "--moe-impl", VARIANTS[variant]["impl"],
+                "--steps", str(args.steps), "--metrics-out", str(out / "metrics.json"),
+                "--trace-out", str(out / "trace.npz"), *args.extra,
             ]
-            print(f"[e2e] {rate} {impl}", flush=True)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])}
+            print(f"[e2e] {rate} {variant}", flush=True)
+            env = {**os.environ,
+                   "PYTHONPATH": os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])}
             with open(out / "run.log", "w") as log:
                 rc = subprocess.run(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-            print(f"[e2e] {rate} {impl} rc={rc}", flush=True)
+            print(f"[e2e] {rate} {variant} rc={rc}", flush=True)
             failed += rc != 0
+    summary = summarize(out_root, args.rates, args.variants)
+    (out_root / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = markdown(summary)
+    (out_root / "summary.md").write_text(table)
+    print(table)
     return 1 if failed else 0
 
 
