@@ -41,6 +41,7 @@ class DeepSpeedTrafficMeter:
         self.rank = dist.get_rank()
         self.totals = dict.fromkeys(TRAFFIC_KEYS, 0)
         self.layers = [m for m in model.modules() if isinstance(m, DeepSpeedMoE)]
+        self.demand_LE = [torch.zeros(layer.num_experts, dtype=torch.float64) for layer in self.layers]
         for layer in self.layers:
             layer.deepspeed_moe.experts.register_forward_pre_hook(self._make_hook(layer))
             layer.register_forward_hook(self._make_count_hook(layer))
@@ -77,10 +78,22 @@ class DeepSpeedTrafficMeter:
             n_local = layer.num_local_experts
             owner_node = np.array([self._node(ranks[e // n_local]) for e in range(layer.num_experts)])
             remote = owner_node != self._node(self.rank)
-            rows = int(torch.as_tensor(exp_counts).cpu().numpy()[remote].sum())  # NOTE: host sync
+            counts = torch.as_tensor(exp_counts).cpu()  # NOTE: host sync
+            rows = int(counts.numpy()[remote].sum())
             self.totals["deepspeed_inter_node_bytes_dropless"] += 2 * rows * d * elsize
+            self.demand_LE[self.layers.index(layer)] += counts.double()
 
         return hook
+
+    def expert_rows_per_rank(self) -> list[float]:
+        """Collective. Rows each EP rank's experts were asked for (routing demand, before capacity drops)."""
+        rows = [0.0] * len(self._ep_ranks(self.layers[0])) if self.layers else []
+        for layer, demand in zip(self.layers, self.demand_LE):
+            total = demand.clone()
+            dist.all_reduce(total)
+            for e, count in enumerate(total.tolist()):
+                rows[e // layer.num_local_experts] += count
+        return rows
 
     def summary(self, steps: int) -> dict[str, int]:
         out = dict(self.totals)

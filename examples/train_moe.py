@@ -116,6 +116,19 @@ def traffic_summary(
     return {k: int(summary.get(k, 0)) for k in TRAFFIC_KEYS}
 
 
+def expert_rows_per_rank(impl: str, model: torch.nn.Module, meter: DeepSpeedTrafficMeter | None) -> list[float]:
+    """Collective. Expert rows each rank computed (ds_cobalt: served, replicas included; DeepSpeed: routed)."""
+    if impl != "cobalt":
+        assert meter is not None
+        return meter.expert_rows_per_rank()
+    import ds_cobalt
+
+    mine = torch.tensor([float(ds_cobalt.traffic_summary(model)["expert_rows"])], dtype=torch.float64)
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [float(r) for r in rows]
+
+
 def all_reduce_sum(summary: dict[str, int]) -> dict[str, int]:
     keys = [k for k in TRAFFIC_KEYS if k != "steps"]
     t = torch.tensor([summary[k] for k in keys], dtype=torch.float64)
@@ -218,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
 
     local = traffic_summary(args.moe_impl, model, meter, args.steps)
     total = all_reduce_sum(local)
+    rows = expert_rows_per_rank(args.moe_impl, model, meter)
+    load_max_over_mean = max(rows) / (sum(rows) / len(rows)) if rows and sum(rows) else None
+    migrations = len(getattr(engine, "cobalt_migrations", []))
     if recorder is not None:
         recorder.save(args.trace_out)
 
@@ -232,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tokens/s              {tokens_per_s:.0f} ({tokens_per_step} tokens/step)")
         print(f"cross-node bytes      {fmt_bytes(sent)} (summed over ranks, forward dispatch + combine)")
         print(f"DeepSpeed all-to-all  {fmt_bytes(padded)} padded E x C, {fmt_bytes(dropless)} dropless")
+        if load_max_over_mean is not None:
+            print(f"expert load max/mean  {load_max_over_mean:.3f} over {len(rows)} ranks"
+                  f"{'' if args.moe_impl == 'cobalt' else ' (routing demand)'}; migrations {migrations}")
         if padded:
             print(
                 f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"
@@ -251,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
                 "step_times_s": step_times,
                 "traffic": total,
                 "traffic_rank0": local,
+                "expert_rows_per_rank": rows,
+                "expert_load_max_over_mean": load_max_over_mean,
+                "migrations": migrations,
                 "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                 "dtype": str(dtype),
             }

@@ -21,6 +21,7 @@ class StepTraffic:
     deepspeed_inter_node_bytes_padded: int = 0  # DeepSpeed's E x C buffers to ranks on other nodes
     deepspeed_inter_node_bytes_dropless: int = 0  # one row per (token, expert) on another node, both ways
     tokens: int = 0
+    expert_rows: int = 0  # rows this rank's experts computed (its share of the layer's work)
 
     @classmethod
     def measure(cls, *, row_bytes: int, topology, experts_per_rank: int, pairs_sent: int, pairs_received: int,
@@ -39,6 +40,7 @@ class StepTraffic:
             deepspeed_inter_node_bytes_padded=ds_padded_rows * row_bytes,
             deepspeed_inter_node_bytes_dropless=2 * deepspeed_remote_routes * row_bytes,
             tokens=tokens,
+            expert_rows=sum(node_recv),
         )
 
 
@@ -54,6 +56,7 @@ class TrafficCounters:
     deepspeed_inter_node_bytes_padded: int = 0
     deepspeed_inter_node_bytes_dropless: int = 0
     tokens: int = 0
+    expert_rows: int = 0
     last: StepTraffic | None = None
 
     def add(self, step: StepTraffic) -> None:
