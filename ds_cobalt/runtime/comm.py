@@ -56,11 +56,3 @@ class _AllToAllRows(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         send_splits, recv_splits = ctx.splits
         return _all_to_all(grad_out, recv_splits, send_splits, ctx.group), None, None, None
-
-
-def all_to_all_ints(values: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                    group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Non-differentiable all-to-all of integer metadata rows."""
-    if group is None:
-        return values
-    return _all_to_all(values, tuple(send_splits), tuple(recv_splits), group)

@@ -24,14 +24,18 @@ from typing import Sequence
 import torch
 
 from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
-from .comm import all_to_all_ints, all_to_all_rows, exchange_counts
+from .comm import all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups, Topology
 from .traffic import StepTraffic
 
-META_COLS = 3  # (row within the source's block, destination local rank, destination slot), int32
-META_BYTES_PER_ROUTE = META_COLS * 4 + 4  # plus the fp32 gate weight
-SLOT_ID_BYTES = 8
+# A remote route travels as one fp32 row (row within the source's block, destination local rank,
+# destination slot, gate weight): one differentiable message for metadata and weights. The integers are
+# exact in fp32 below 2**24 (`plan_rail` checks).
+ROUTE_COLS = 4
+META_BYTES_PER_ROUTE = ROUTE_COLS * 4
+SLOT_ID_BYTES = 0  # slots are implied: relays send rows sorted by slot and the counts are exchanged
+_EXACT_FP32_INT = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class RailPlan:
     pair_token_P: torch.Tensor  # [P_out] token of each (token, remote node) pair, node-major
     route_t: torch.Tensor  # [R_out] token of each remote route, node-major
     route_k: torch.Tensor  # [R_out] its top-k column
-    route_meta_R3: torch.Tensor  # [R_out, 3] int32 metadata sent with the route
+    route_meta_R3: torch.Tensor  # [R_out, 3] metadata sent with the route (float32, exact integers)
     local_t: torch.Tensor  # [R_local] routes served on this node: token
     local_k: torch.Tensor  # [R_local] and top-k column
     rail_send: tuple[int, ...]  # pairs to each node's rail peer
@@ -106,7 +110,9 @@ def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGr
         pair_index_TK[route_t, route_k] - pair_start_N[route_node],
         dest_rank_TK[route_t, route_k] % G,
         dest_slot_TK[route_t, route_k],
-    ], dim=1).to(torch.int32)  # int32 halves the metadata bytes on the slow link
+    ], dim=1).to(torch.float32)
+    if T >= _EXACT_FP32_INT:
+        raise ValueError(f"ds_cobalt: {T} tokens on one rank in one MoE call; at most {_EXACT_FP32_INT - 1} supported")
     route_send_N = torch.bincount(route_node, minlength=N)
     local_t, local_k = (valid_TK & ~remote_TK).nonzero(as_tuple=True)
 
@@ -125,15 +131,15 @@ def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGr
 
 
 def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan,
-                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What goes on the rail: pair rows `[P_out, D]`, route metadata `[R_out, 3]`, route weights `[R_out]`."""
-    return (gather_rows(x_TD, plan.pair_token_P, backend=backend), plan.route_meta_R3,
-            weights_TK[plan.route_t, plan.route_k])
+                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """What goes on the rail: pair rows `[P_out, D]` and routes `[R_out, 4]` (metadata and gate weight)."""
+    weight_R = weights_TK[plan.route_t, plan.route_k].float()
+    return (gather_rows(x_TD, plan.pair_token_P, backend=backend),
+            torch.cat([plan.route_meta_R3, weight_R.unsqueeze(1)], dim=1))
 
 
-def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_meta_R3: torch.Tensor | None,
-                 recv_w_R: torch.Tensor | None, pool_offset: int, groups: EPGroups, slots: int,
-                 include_local: bool = True) -> RelayRoutes:
+def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch.Tensor | None,
+                 pool_offset: int, groups: EPGroups, slots: int, include_local: bool = True) -> RelayRoutes:
     """The relay's routes: its own tokens' routes on this node (pool rows = token index) and/or routes
     received on the rail (pool rows = `pool_offset` + received pair row), sorted by (local rank, slot)."""
     G, N = groups.topology.ranks_per_node, groups.topology.nodes
@@ -141,13 +147,13 @@ def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_meta_R3: torch.T
     if include_local:
         t, k = plan.local_t, plan.local_k
         parts.append((t, plan.dest_rank_TK[t, k] % G, plan.dest_slot_TK[t, k], weights_TK[t, k]))
-    if recv_meta_R3 is not None:
-        device = recv_meta_R3.device
+    if recv_routes_R4 is not None:
+        device = recv_routes_R4.device
         recv = torch.tensor(plan.rail_recv, device=device)
         src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(plan.route_recv, device=device))
-        meta = recv_meta_R3.long()
+        meta = recv_routes_R4[:, :3].detach().long()
         pool = pool_offset + (recv.cumsum(0) - recv)[src_node] + meta[:, 0]
-        parts.append((pool, meta[:, 1], meta[:, 2], recv_w_R))
+        parts.append((pool, meta[:, 1], meta[:, 2], recv_routes_R4[:, 3]))
     pool_R, local_R, slot_R, weight_R = (torch.cat(cols) for cols in zip(*parts))
     order = torch.argsort(local_R * slots + slot_R, stable=True)
     return RelayRoutes(pool_R[order], local_R[order], slot_R[order], weight_R[order])
@@ -187,13 +193,12 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     plan = plan_rail(topk_ids_TK, placement, groups, backend)
 
     # Step 3: inter-node stage (rail).
-    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan, backend)
+    send_x, send_routes = rail_payload(x_TD, weights_TK, plan, backend)
     recv_x = all_to_all_rows(send_x, plan.rail_send, plan.rail_recv, groups.rail_group)
-    recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, groups.rail_group)
-    recv_w = all_to_all_rows(send_w, plan.route_send, plan.route_recv, groups.rail_group)
+    recv_routes = all_to_all_rows(send_routes, plan.route_send, plan.route_recv, groups.rail_group)
 
     # Step 4: relay routes = own tokens' routes on this node + routes received on the rail.
-    relay = relay_routes(plan, weights_TK, recv_meta, recv_w, plan.num_tokens, groups, S)
+    relay = relay_routes(plan, weights_TK, recv_routes, plan.num_tokens, groups, S)
 
     # Step 5: intra-node stage; per-(local rank, slot) counts give the expert ranks their slot sizes.
     send_GS, recv_GS = node_counts(relay, groups, S)
@@ -203,7 +208,9 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     pool_D = torch.cat([x_TD, recv_x])  # always, so every rank's backward runs the same collectives
     rows_QD = all_to_all_rows(gather_rows(pool_D, relay.pool_R, backend=backend), node_send, node_recv,
                               groups.node_group)
-    slot_Q = all_to_all_ints(relay.slot_R, node_send, node_recv, groups.node_group)
+    # Rows arrive grouped by source, sorted by slot inside each: their slots follow from the counts.
+    slot_Q = torch.repeat_interleave(torch.arange(S, device=x_TD.device).repeat(len(recv_GS)),
+                                     torch.tensor(recv_GS, device=x_TD.device).reshape(-1))
 
     traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(), groups.topology,
                               placement.owner_slots_per_rank, deepspeed_capacity)

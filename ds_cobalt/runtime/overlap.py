@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
-from .comm import all_to_all_ints
 from .dispatch import RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes, weighted_sum
 from .placement import LayerPlacement
 from .topology import EPGroups
@@ -270,23 +269,22 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic."""
     S = placement.slots_per_rank
     plan = plan_rail(topk_ids_TK, placement, groups, backend)
-    send_x, send_meta, send_w = rail_payload(x_TD, weights_TK, plan, backend)
+    send_x, send_routes = rail_payload(x_TD, weights_TK, plan, backend)
     rail = groups.rail_group
     inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
-    inflight_w = _Inflight(send_w, plan.route_send, plan.route_recv, rail)
+    inflight_routes = _Inflight(send_routes, plan.route_send, plan.route_recv, rail)
 
     # Round A1: the first half of the own tokens' routes on this node, while the rail transfer is in flight.
-    relay_own = relay_routes(plan, weights_TK, None, None, 0, groups, S)
+    relay_own = relay_routes(plan, weights_TK, None, 0, groups, S)
     half = relay_own.pool_R < (plan.num_tokens + 1) // 2
     relay_a1, relay_a2 = _select(relay_own, half), _select(relay_own, ~half)
     counts = []
     own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts, backend)
 
     # Round B: routes that arrived on the rail; their sums start back on the rail at once.
-    recv_meta = all_to_all_ints(send_meta, plan.route_send, plan.route_recv, rail)
     recv_x = _Landed.apply(send_x, inflight_x)
-    recv_w = _Landed.apply(send_w, inflight_w)
-    relay_b = relay_routes(plan, weights_TK, recv_meta, recv_w, 0, groups, S, include_local=False)
+    recv_routes = _Landed.apply(send_routes, inflight_routes)
+    relay_b = relay_routes(plan, weights_TK, recv_routes, 0, groups, S, include_local=False)
     relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts,
                               backend)
     inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
