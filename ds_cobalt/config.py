@@ -32,10 +32,11 @@ class TrafficConfig(_Section):
 
 
 class TraceConfig(_Section):
-    """Record the routing of the first `steps` optimizer steps to `path` (DESIGN.md trace format)."""
+    """Record the routing of optimizer steps [start_step, start_step + steps) to `path` (DESIGN.md trace format)."""
 
     path: str | None = None
     steps: int = Field(default=20, gt=0)
+    start_step: int = Field(default=0, ge=0)
 
 
 class PlannerConfig(_Section):

@@ -84,14 +84,18 @@ def _step_hooks(engine, cobalt: CobaltConfig) -> list[StepHook]:
     if cobalt.trace.path:
         from .trace import save_trace, start_trace, stop_trace
 
-        start_trace(engine)
+        first, last = cobalt.trace.start_step, cobalt.trace.start_step + cobalt.trace.steps
+        if first == 0:
+            start_trace(engine)
 
         def trace_hook(engine) -> None:
-            if engine.global_steps == cobalt.trace.steps:
+            if engine.global_steps == first:
+                start_trace(engine)
+            elif engine.global_steps == last:
                 save_trace(engine, cobalt.trace.path)
                 stop_trace(engine)
                 if engine.global_rank == 0:
-                    logger.info(f"ds_cobalt: wrote routing trace of {cobalt.trace.steps} steps to {cobalt.trace.path}")
+                    logger.info(f"ds_cobalt: wrote the routing of steps [{first}, {last}) to {cobalt.trace.path}")
 
         hooks.append(trace_hook)
     if cobalt.migration.checkpoint_logical_order:
