@@ -1,9 +1,14 @@
 """Planner quality: cross-node tokens/token and GPU balance per trace and policy (plan on one half of the
 tokens, score on the other half), against a simulated-annealing stage 1 reference.
 
-    python benchmarks/planner_quality.py [--sa-seconds 60] [--traces a.npz b.npz ...]
+    python benchmarks/planner_quality.py [--sa-seconds 60] [--trace a.npz[:NODES:GPUS]] ... [--no-synth]
 
-Prints a markdown table (ratios measured in this one run; nothing is asserted).
+Prints a markdown table (ratios measured in this one run; nothing is asserted). Recorded traces (DESIGN.md
+`.npz`) are added with `--trace` (repeatable; topology from the suffix or `--nodes/--gpus-per-node`).
+Cross-node copies (an expert held on a node other than its owner's) cost weight and gradient bytes every
+step; the table prints them (bf16 weights fetched + bf16 gradients reduced, `LinkModel` sizes) next to the
+token bytes they save against the R=0 row of the same policy (dispatch + combine, forward + backward) at
+`--tokens-per-gpu` tokens per GPU per step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 import numpy as np
 
 from ds_cobalt.planner.layout import Layout
+from ds_cobalt.planner.migration import LinkModel
 from ds_cobalt.planner.objective import PartitionState
 from ds_cobalt.planner.policies import plan_layout
 from ds_cobalt.planner.stage2 import plan_gpus
@@ -65,21 +71,46 @@ def anneal(stats: RoutingStats, nodes: int, seconds: float, seed: int = 0, toler
     return best
 
 
+def _cross_node_copies(layout: Layout) -> float:
+    """Mean per layer of copies held on a node other than the expert's owner node."""
+    E, G = layout.num_experts, layout.gpus_per_node
+    out = []
+    for layer in range(layout.num_layers):
+        slots = layout.layer(layer)
+        W = slots.shape[0]
+        owner_node_E = np.empty(E, dtype=np.int64)
+        owner_node_E[slots[:, : E // W].reshape(-1)] = np.repeat(np.arange(W) // G, E // W)
+        node_WS = np.repeat((np.arange(W) // G)[:, None], slots.shape[1], axis=1)
+        held = slots >= 0
+        out.append(float((held & (owner_node_E[np.maximum(slots, 0)] != node_WS)).sum()))
+    return float(np.mean(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sa-seconds", type=float, default=60.0)
-    ap.add_argument("--traces", nargs="*", default=[], help="extra .npz traces as PATH:NODES:GPUS")
+    ap.add_argument("--sa-seconds", type=float, default=60.0, help="annealing reference time per trace")
+    ap.add_argument("--trace", action="append", default=[], help="recorded .npz trace, PATH or PATH:NODES:GPUS")
+    ap.add_argument("--traces", nargs="*", default=[], help="(old form) extra traces as PATH:NODES:GPUS")
+    ap.add_argument("--nodes", type=int, default=4, help="topology for --trace without a suffix")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--no-synth", action="store_true", help="only the --trace traces")
     ap.add_argument("--redundant-slots", type=int, default=1)
+    ap.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU per step (bytes columns)")
+    ap.add_argument("--policies", default="deepspeed,load,eplb,pairwise,cobalt")
     args = ap.parse_args()
+    link = LinkModel()
     cases: list[tuple[str, Trace, int, int]] = []
-    for name, E, K, N, G, T, g, c in SYNTH:
-        cases.append((name, synth_trace(num_experts=E, top_k=K, num_tokens=T, gini=g, clustering=c, seed=7), N, G))
-    for spec in args.traces:
-        path, n, gpn = spec.split(":")
-        cases.append((path, load_trace(path), int(n), int(gpn)))
+    if not args.no_synth:
+        for name, E, K, N, G, T, g, c in SYNTH:
+            cases.append((name, synth_trace(num_experts=E, top_k=K, num_tokens=T, gini=g, clustering=c, seed=7), N, G))
+    for spec in args.trace + args.traces:
+        path, *topo = spec.split(":")
+        n, gpn = (int(topo[0]), int(topo[1])) if topo else (args.nodes, args.gpus_per_node)
+        cases.append((path, load_trace(path), n, gpn))
     R = args.redundant_slots
-    print("| trace | policy | R | cross-node tok/tok | vs DeepSpeed pairs | vs SA ref (R=0) | GPU max/mean | node max/mean | plan s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| trace | policy | R | cross-node tok/tok | vs DeepSpeed pairs | vs SA ref (R=0) | GPU max/mean | "
+          "node max/mean | plan s | x-node copies/layer | copy MB/step | token MB saved/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, trace, N, G in cases:
         rng = np.random.default_rng(0)
         perm = rng.permutation(trace.num_tokens)
@@ -97,17 +128,24 @@ def main() -> None:
         ref_x = ref["cross_node_tokens_per_token"]
         print(f"| {name} | SA-reference ({args.sa_seconds:.0f}s) | 0 | {ref_x:.3f} | "
               f"{ref_x / ref['deepspeed_cross_node_pairs_per_token']:.3f} | 1.000 | "
-              f"{ref['gpu_load_max_over_mean']:.3f} | {ref['node_load_max_over_mean']:.3f} | {args.sa_seconds:.0f} |")
-        for r in (0, R):
-            for policy in ("deepspeed", "load", "eplb", "pairwise", "cobalt"):
+              f"{ref['gpu_load_max_over_mean']:.3f} | {ref['node_load_max_over_mean']:.3f} | {args.sa_seconds:.0f} "
+              f"| 0 | 0 | 0 |")
+        tokens_per_step = args.tokens_per_gpu * N * G
+        for policy in args.policies.split(","):
+            base_x = None
+            for r in (0, R):
                 t0 = time.perf_counter()
                 layout = plan_layout(plan_tr, N, G, r, policy)
                 dt = time.perf_counter() - t0
                 m = simulate(test_tr, layout)["mean"]
                 x = m["cross_node_tokens_per_token"]
+                base_x = x if base_x is None else base_x
+                copies = _cross_node_copies(layout)
+                copy_mb = copies * link.expert_params * 2 * link.weight_bytes_per_param / 1e6
+                saved_mb = (base_x - x) * tokens_per_step * link.token_bytes * 4 / 1e6
                 print(f"| {name} | {policy} | {r} | {x:.3f} | {x / m['deepspeed_cross_node_pairs_per_token']:.3f} | "
                       f"{x / ref_x:.3f} | {m['gpu_load_max_over_mean']:.3f} | {m['node_load_max_over_mean']:.3f} | "
-                      f"{dt:.2f} |", flush=True)
+                      f"{dt:.2f} | {copies:.1f} | {copy_mb:.0f} | {saved_mb:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""Planner speed: stage 1 (E=256, k=8, 64 nodes x 8 GPUs, 64k tokens) and stage 2 + task assignment per
-layer (8 GPUs/node, 16k tokens per GPU). Prints wall times measured in this run (numpy, this machine).
+"""Planner speed: stage 1 (E=256, k=8, 64 nodes x 8 GPUs, 64k tokens), stage 2 + task assignment per
+layer (8 GPUs/node, 16k tokens per GPU), and the `cobalt` policy for one layer (E=256, k=8, 8 nodes x 8 GPUs,
+1 spare slot, 20k tokens). Prints wall times measured in this run (numpy, this machine; best of 3 except
+stage 1 and cobalt).
 
     python benchmarks/planner_speed.py
 """
@@ -11,6 +13,7 @@ import time
 import numpy as np
 
 from ds_cobalt.planner.assign import assign_tasks
+from ds_cobalt.planner.policies import plan_layout
 from ds_cobalt.planner.stage1 import plan_nodes
 from ds_cobalt.planner.stage2 import plan_gpus
 from ds_cobalt.planner.stats import RoutingStats
@@ -55,6 +58,11 @@ def main() -> None:
     print(f"stage 2 (refresh spares, 8 nodes x 8 GPUs, R=1): {t2 * 1e3:8.1f} ms per layer")
     print(f"assign_tasks, 128k tokens (8 GPUs x 16k):        {ta * 1e3:8.1f} ms per layer")
     print(f"assign_tasks, 16k tokens (one GPU):              {one_gpu * 1e3:8.1f} ms per layer")
+
+    # The cobalt policy (owners and replicas together), one layer.
+    tr = synth_trace(num_experts=256, top_k=8, num_tokens=20000, gini=0.5, clustering=0.7, seed=7)
+    t_co = _time(lambda: plan_layout(tr, 8, 8, 1, "cobalt"), 1)
+    print(f"cobalt policy, E=256 k=8 8x8 R=1, 20k tokens:    {t_co:8.2f} s per layer")
 
 
 if __name__ == "__main__":

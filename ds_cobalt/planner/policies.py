@@ -160,8 +160,10 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     - y of them hold per-node traffic copies (`traffic_replicas`: the experts whose copy on that node
       removes the most remote nodes from its tokens, given the owners);
     - the rest replicate each node's hottest experts inside the node (GPU balance).
-    Every candidate is scored with `assign_tasks` on the sample tokens; the fewest cross-node tokens among
-    those with GPU max/mean within max(1.05, 1.02 x best) of the best balance wins.
+    Every candidate (and EPLB's layout) is scored with `assign_tasks` on the sample tokens; the fewest
+    cross-node tokens among those with GPU max/mean within max(1.05, 1.02 x best) wins; when it is worse than
+    EPLB in traffic or balance, the fewest cross-node tokens among own candidates at or below EPLB in both
+    (if none is, a slightly worse balance is kept rather than EPLB's much larger traffic).
     """
     st = inp.stats
     E, N, G, R = st.num_experts, inp.nodes, inp.gpus_per_node, inp.redundant_slots
@@ -169,7 +171,7 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     load_E = st.load_E.astype(np.float64)
     spare = 0 if N == 1 else G * R
     everywhere_max = min(spare, E)
-    options = sorted({0, everywhere_max // 4, everywhere_max // 2, (3 * everywhere_max) // 4, everywhere_max})
+    options = sorted({0, everywhere_max // 2, everywhere_max})
     src_node_T = inp.source_rank_T // G
     results: list[tuple[float, float, np.ndarray]] = []
     for x in options:
@@ -179,7 +181,7 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
         sets_MK = _strip(st.sets_MK, hot) if x else st.sets_MK
         # Step 2: stage 1 on the remaining sets; replicated experts weigh 1/N on their owner node.
         node_of_E = plan_nodes(np.where(hot, load_E / N, load_E), st.coact_EE, sets_MK, st.count_M, N,
-                               current_node_of_E=current, seed=inp.seed)
+                               current_node_of_E=current, partitioner="auto" if x == 0 else "fast", seed=inp.seed)
         everywhere_NE = np.repeat(hot[None, :], N, axis=0)
         everywhere_NE[node_of_E, np.arange(E)] = False
         holds_NE = everywhere_NE.copy()
@@ -202,12 +204,23 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
                 slots = plan_gpus(owners, extra_NE, _node_load_NE(inp, owners, extra_NE), G, R)
                 traffic, balance = _evaluate(inp, slots)
                 results.append((traffic, balance, slots))
+    # Step 6: EPLB's layout competes too; the pick is never worse than it on the sample in traffic or balance.
+    eplb_slots = eplb_policy(inp)
+    eplb_result = (*_evaluate(inp, eplb_slots), eplb_slots)
+    results.append(eplb_result)
     best_balance = min(r[1] for r in results)
-    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02)]
-    return min(ok, key=lambda r: r[0])[2]
+    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02) + 1e-12]
+    pick = min(ok, key=lambda r: (r[0], r[1]))
+    dominating = [r for r in results[:-1] if r[0] <= eplb_result[0] and r[1] <= eplb_result[1]]
+    if (pick[0] > eplb_result[0] or pick[1] > eplb_result[1]) and dominating:
+        # Not at or below EPLB on both: the least traffic among own candidates that are.
+        pick = min(dominating, key=lambda r: (r[0], r[1]))
+    elif pick[0] > eplb_result[0]:
+        pick = eplb_result  # EPLB has less traffic (and balance within the cap): take its layout
+    return pick[2]
 
 
-JOINT_ROUNDS = 1  # owner re-partitions per candidate with copies counted as local
+JOINT_ROUNDS = 2  # owner re-partitions per candidate with copies counted as local
 JOINT_MAX_NODES = 16  # ReplicaPartitionState keeps N * M * N counters
 
 
@@ -225,7 +238,7 @@ def refine_owners(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, 
     base_load_N = copies_NE @ (load_E / N)
     state = ReplicaPartitionState(sets_MK, count_M, node_of_E, copies_NE)
     bound = (1 + load_tolerance) * load_E.sum() / N
-    refine_swaps(state, owner_load_E, bound, base_load_N=base_load_N)
+    refine_swaps(state, owner_load_E, bound, candidates=64, base_load_N=base_load_N, repair_checks=16)
     return state.node_of_E
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .stats import topk_sets
+
 __all__ = ["alone_gains", "traffic_replicas", "ReplicaPartitionState"]
 
 OWN_TOKEN_BOOST = 1.0
@@ -29,21 +31,20 @@ def alone_gains(topk_ids_TK: np.ndarray, weight_T: np.ndarray, node_of_E: np.nda
     A pair (t, k) counts when e = topk[t, k] is not held and no other non-held expert of t has e's owner
     node (repeats of e inside a token count once).
     """
-    topk = topk_ids_TK
-    valid = topk >= 0
-    e_TK = np.where(valid, topk, 0)
-    remote_TK = valid & ~holds_E[e_TK]
-    node_TK = np.where(remote_TK, node_of_E[e_TK], -1)
-    # Pairs sharing the owner node with a different non-held expert of the same token.
-    same_TKK = (node_TK[:, :, None] == node_TK[:, None, :]) & (e_TK[:, :, None] != e_TK[:, None, :])
-    alone_TK = remote_TK & ~(same_TKK & remote_TK[:, None, :]).any(axis=2)
-    # A repeated id inside a token counts once: keep its first occurrence.
-    if topk.shape[1] > 1:
-        dup_TK = np.zeros_like(alone_TK)
-        for k in range(1, topk.shape[1]):
-            dup_TK[:, k] = (topk[:, :k] == topk[:, k : k + 1]).any(axis=1)
-        alone_TK &= ~dup_TK
-    w_TK = np.broadcast_to(weight_T[:, None], topk.shape)
+    return _alone_gains_sets(topk_sets(np.asarray(topk_ids_TK)), weight_T, node_of_E, holds_E, num_experts)
+
+
+def _alone_gains_sets(sets_TK: np.ndarray, weight_T: np.ndarray, node_of_E: np.ndarray, holds_E: np.ndarray,
+                      num_experts: int) -> np.ndarray:
+    """`alone_gains` for rows without repeats (`topk_sets` output): O(T K) with a (token, node) count."""
+    T = sets_TK.shape[0]
+    N = int(node_of_E.max(initial=0)) + 1
+    e_TK = np.maximum(sets_TK, 0)
+    remote_TK = (sets_TK >= 0) & ~holds_E[e_TK]
+    key_TK = np.arange(T)[:, None] * N + node_of_E[e_TK]
+    cnt = np.bincount(key_TK[remote_TK], minlength=T * N)
+    alone_TK = remote_TK & (cnt[key_TK] == 1)
+    w_TK = np.broadcast_to(weight_T[:, None], sets_TK.shape)
     return np.bincount(e_TK[alone_TK], weights=w_TK[alone_TK], minlength=num_experts)
 
 
@@ -70,13 +71,13 @@ def traffic_replicas(
     T = topk_ids_TK.shape[0]
     if T == 0 or N == 1 or copies_per_node <= 0:
         return extra_NE
-    topk = np.asarray(topk_ids_TK, dtype=np.int64)
+    topk = topk_sets(np.asarray(topk_ids_TK, dtype=np.int64))
     src = np.asarray(source_node_T, dtype=np.int64)
     for n in range(N):
         weight_T = 1.0 + OWN_TOKEN_BOOST * (N - 1) * (src == n)
         held_E = holds_NE[n].copy()
         for _ in range(copies_per_node):
-            gain_E = alone_gains(topk, weight_T, node_of_E, held_E, E)
+            gain_E = _alone_gains_sets(topk, weight_T, node_of_E, held_E, E)
             gain_E[held_E] = 0.0
             e = int(np.argmax(gain_E))
             if gain_E[e] <= 0:

@@ -15,7 +15,9 @@ from scipy.optimize import linear_sum_assignment
 
 from .objective import PartitionState, connectivity
 
-__all__ = ["plan_nodes", "relabel_to_current", "refine_swaps", "greedy_coact_partition", "kahypar_partition"]
+__all__ = [
+    "plan_nodes", "relabel_to_current", "refine_swaps", "greedy_coact_partition", "kahypar_partition", "metis_partition",
+]
 
 
 def _equal_fill(order_E: np.ndarray, E: int, N: int) -> np.ndarray:
@@ -73,6 +75,26 @@ def kahypar_partition(
     return _rebalance_counts(part, E, N)
 
 
+def metis_partition(load_E: np.ndarray, coact_EE: np.ndarray, nodes: int) -> np.ndarray | None:
+    """`[E]` node per expert from METIS k-way on the co-activation graph, vertex weight = load (counts
+    repaired to E / N after); None when pymetis is not installed (it is an optional seed)."""
+    try:
+        import pymetis
+    except ImportError:
+        return None
+    E = load_E.size
+    w = np.rint(coact_EE / max(float(coact_EE.max()), 1e-12) * 100000).astype(np.int64)
+    np.fill_diagonal(w, 0)
+    rows, cols = np.nonzero(w)
+    if rows.size == 0:
+        return None
+    xadj = np.searchsorted(rows, np.arange(E + 1))
+    vw = np.maximum(1, np.rint(load_E / max(float(load_E.max()), 1e-12) * 1000)).astype(np.int64)
+    _, part = pymetis.part_graph(nodes, adjacency=pymetis.CSRAdjacency(xadj, cols), vweights=vw,
+                                 eweights=w[rows, cols], options=pymetis.Options(ufactor=1, seed=0))
+    return _rebalance_counts(np.asarray(part, dtype=np.int64), E, nodes)
+
+
 _KAHYPAR: list = []
 
 
@@ -104,10 +126,12 @@ def refine_swaps(
     max_rounds: int = 200,
     candidates: int | None = None,
     base_load_N: np.ndarray | None = None,
+    repair_checks: int | None = None,
 ) -> None:
     """Pairwise-swap refinement on the exact objective, in place (also repairs node-load violations).
 
     `base_load_N`: `[N]` load each node carries besides its owners' `load_E` (counted in the bound).
+    `repair_checks`: exact checks per node-load repair step (None = every candidate swap).
     Each round ranks swaps (a -> best node B, b in B -> a's node) by their move gains, checks the
     best `candidates` exactly and applies every improving, load-feasible one; stops when none improves.
     """
@@ -116,10 +140,15 @@ def refine_swaps(
     if base_load_N is not None:
         load_N += base_load_N  # load a node carries whatever it owns (e.g. copies of other nodes' experts)
     cand = candidates if candidates is not None else max(16, state.E)
+    cached: list = []
+    repairs = 0
     for _ in range(max_rounds):
         # Step 1: repair node load first (swap a hot expert of the fullest node with a cold one).
         if load_N.max() > max_node_load + 1e-9:
-            if not _repair_step(state, load_E, load_N, max_node_load):
+            repairs += 1
+            if repairs % 8 == 0:
+                cached.clear()  # refresh the ranking gains every 8 repairs
+            if not _repair_step(state, load_E, load_N, max_node_load, repair_checks, cached):
                 # Unreachable bound from here: keep the current maximum as the bound.
                 max_node_load = float(load_N.max())
             continue
@@ -155,27 +184,47 @@ def refine_swaps(
             break
 
 
-def _repair_step(state: PartitionState, load_E: np.ndarray, load_N: np.ndarray, max_node_load: float) -> bool:
-    """One swap lowering the fullest node's load, least damaging to the objective. False if none."""
+def _repair_step(state: PartitionState, load_E: np.ndarray, load_N: np.ndarray, max_node_load: float,
+                 exact_checks: int | None = None, gains: list | None = None) -> bool:
+    """One swap lowering the fullest node's load, least damaging to the objective. False if none.
+
+    Candidate swaps: a hot expert of the fullest node A with a colder one of a light node B that keeps B
+    under the bound. All are scored exactly with `swap_delta`, or, with `exact_checks`, only the best
+    `exact_checks` after ranking by the two single-move gains (for states whose swap_delta is costly). `gains`: a one-item cache of the move gains
+    ([] = compute and store); they only rank candidates, so a slightly stale matrix is fine.
+    """
     node = state.node_of_E
     A = int(np.argmax(load_N))
-    best: tuple[float, int, int] | None = None
     hot = np.nonzero(node == A)[0]
     hot = hot[np.argsort(-load_E[hot])][:8]
-    for B in np.argsort(load_N)[: max(1, min(state.N - 1, 8))]:
-        if B == A:
-            continue
+    light = [int(B) for B in np.argsort(load_N)[: max(1, min(state.N - 1, 8))] if B != A]
+    pairs = []
+    for B in light:
+        cold = np.nonzero(node == B)[0]
         for a in hot:
-            cold = np.nonzero((node == B) & (load_E < load_E[a]))[0]
-            for b in cold[np.argsort(load_E[cold])][:8]:
+            ok = cold[load_E[cold] < load_E[a]]
+            ok = ok[np.argsort(load_E[ok])][:8]
+            for b in ok:
                 d = load_E[a] - load_E[b]
-                if load_N[B] + d > max(max_node_load, load_N[A] - d) + 1e-9:
-                    continue
-                value = state.swap_delta(int(a), int(b))
-                if best is None or value > best[0]:
-                    best = (value, int(a), int(b))
-    if best is None:
+                if load_N[B] + d <= max(max_node_load, load_N[A] - d) + 1e-9:
+                    pairs.append((int(a), int(b)))
+    if not pairs:
         return False
+    if exact_checks is not None and len(pairs) > exact_checks:
+        if gains is None or not gains:
+            gain_EN = state.move_gains()
+            if gains is not None:
+                gains.append(gain_EN)
+        else:
+            gain_EN = gains[0]
+        approx = np.array([gain_EN[a, node[b]] + gain_EN[b, node[a]] for a, b in pairs])
+        pairs = [pairs[i] for i in np.argsort(-approx, kind="stable")[:exact_checks]]
+    best: tuple[float, int, int] | None = None
+    for a, b in pairs:
+        value = state.swap_delta(a, b)
+        if best is None or value > best[0]:
+            best = (value, a, b)
+    assert best is not None
     _, a, b = best
     d = load_E[a] - load_E[b]
     load_N[node[a]] -= d
@@ -220,14 +269,15 @@ def plan_nodes(
 ) -> np.ndarray:
     """Stage 1: `[E]` int64 node owning each expert (E / N per node), see module docstring.
 
-    `partitioner`: "auto" (best of every available seed after refinement), "kahypar", "greedy", "none"
+    `partitioner`: "auto" (best of every available seed after refinement), "fast" (auto without Mt-KaHyPar),
+    "kahypar", "greedy", "none"
     (refine the current / contiguous placement only).
     """
     E, N = load_E.size, nodes
     if E % N:
         raise ValueError(f"num_experts={E} is not divisible by nodes={N}")
-    if partitioner not in ("auto", "kahypar", "greedy", "none"):
-        raise ValueError(f"partitioner must be auto, kahypar, greedy or none, got {partitioner!r}")
+    if partitioner not in ("auto", "fast", "kahypar", "greedy", "none"):
+        raise ValueError(f"partitioner must be auto, fast, kahypar, greedy or none, got {partitioner!r}")
     if N == 1:
         return np.zeros(E, dtype=np.int64)
     load_E = np.asarray(load_E, dtype=np.float64)
@@ -246,10 +296,13 @@ def plan_nodes(
             seeds.append(part)
         elif partitioner == "kahypar":
             raise ValueError("partitioner='kahypar' needs the mtkahypar package (pip install mtkahypar)")
-    if partitioner in ("auto", "greedy"):
+    if partitioner in ("auto", "fast", "greedy"):
         seeds.append(greedy_coact_partition(load_E, coact_EE, N))
-    if partitioner == "auto":
+    if partitioner in ("auto", "fast"):
         seeds.append(pairwise_partition(load_E, coact_EE, N, max_node_load))
+        part = metis_partition(load_E, coact_EE, N)  # optional (pymetis); milliseconds
+        if part is not None:
+            seeds.append(part)
     if not seeds:
         seeds.append(np.arange(E) // (E // N))
 
