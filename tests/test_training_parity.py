@@ -9,7 +9,7 @@ STEPS = 30
 D, E = 16, 8
 
 
-def _model(moe_cls, seed: int):
+def _model(moe_cls, seed: int, ep_size: int = 4):
     import torch
 
     class TinyMoEModel(torch.nn.Module):
@@ -18,8 +18,8 @@ def _model(moe_cls, seed: int):
             torch.manual_seed(seed)
             self.inp = torch.nn.Linear(D, D)
             expert = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.ReLU(), torch.nn.Linear(32, D))
-            self.moe1 = moe_cls(D, expert, E, ep_size=4, k=2, drop_tokens=False, min_capacity=0)
-            self.moe2 = moe_cls(D, expert, E, ep_size=4, k=1, drop_tokens=True, min_capacity=0,
+            self.moe1 = moe_cls(D, expert, E, ep_size=ep_size, k=2, drop_tokens=False, min_capacity=0)
+            self.moe2 = moe_cls(D, expert, E, ep_size=ep_size, k=1, drop_tokens=True, min_capacity=0,
                                 capacity_factor=1.5)
             self.out = torch.nn.Linear(D, 4)
 
@@ -33,7 +33,8 @@ def _model(moe_cls, seed: int):
     return TinyMoEModel()
 
 
-def _train_body(rank: int, world: int, zero_stage: int, trace_path: str) -> dict:
+def _train_body(rank: int, world: int, zero_stage: int, trace_path: str, ep_size: int = 4,
+                ranks_per_node: int = 2) -> dict:
     import deepspeed
     import torch
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -47,12 +48,12 @@ def _train_body(rank: int, world: int, zero_stage: int, trace_path: str) -> dict
         "zero_optimization": {"stage": zero_stage},
         "gradient_clipping": 1.0,
     }
-    cobalt = {"topology": {"ranks_per_node": 2}, "trace": {"path": trace_path, "steps": 5},
+    cobalt = {"topology": {"ranks_per_node": ranks_per_node}, "trace": {"path": trace_path, "steps": 5},
               "traffic": {"log_interval": 10}}
     losses: dict[str, list[float]] = {}
     reference_state = None
     for impl in ("deepspeed", "cobalt"):
-        model = _model(DeepSpeedMoE if impl == "deepspeed" else ds_cobalt.MoE, seed=0)
+        model = _model(DeepSpeedMoE if impl == "deepspeed" else ds_cobalt.MoE, seed=0, ep_size=ep_size)
         if reference_state is None:
             reference_state = {k: v.clone() for k, v in model.state_dict().items()}
         else:
@@ -97,3 +98,12 @@ def test_training_losses_match_deepspeed(run_ranks, tmp_path, zero_stage: int) -
     assert trace.experts_LTK.shape == (2, 4 * 5 * 16, 2)
     assert np.array_equal(np.bincount(trace.source_rank_T), [80, 80, 80, 80])
     assert (trace.experts_LTK[1, :, 1] == -1).all()  # the k=1 layer pads its second column
+
+
+def test_expert_data_parallel_groups_match_deepspeed(run_ranks, tmp_path) -> None:
+    """ep_size=2 on 4 ranks (two expert-data-parallel replicas of every expert), each EP group spanning
+    2 nodes of 1 rank: DeepSpeed's expert-data-parallel gradient reduction runs unchanged."""
+    results = run_ranks(_train_body, 4, 1, str(tmp_path / "trace.npz"), 2, 1, ranks_per_node=1, timeout=400)
+    for rank, res in enumerate(results):
+        np.testing.assert_allclose(res["cobalt"], res["deepspeed"], rtol=0, atol=1e-5, err_msg=f"rank {rank}")
+        assert res["traffic"]["inter_node_rows"] > 0
