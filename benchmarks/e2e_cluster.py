@@ -30,7 +30,7 @@ VARIANTS = {
     "deepspeed": {"impl": "deepspeed", "cobalt": {}},
     "cobalt": {"impl": "cobalt", "cobalt": {}},
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
-        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 1},
+        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
         "overlap": {"enabled": True},
     }},
 }
