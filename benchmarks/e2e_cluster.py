@@ -6,7 +6,8 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
   a  deepspeed          DeepSpeed's own MoE layer and all-to-all
   b  cobalt             ds_cobalt, contiguous layout: each token crosses to each remote node once
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
-                        optimizer state) + overlap (`cobalt.overlap`)
+                        optimizer state)
+  d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
 One `benchmarks/cluster/run_cluster.sh` job per (rate, variant), one after the other (2 cores). Each writes
 `OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`). Prints, per rate,
 tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, and the
@@ -31,6 +32,9 @@ VARIANTS = {
     "cobalt": {"impl": "cobalt", "cobalt": {}},
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
+    }},
+    "cobalt-placement-overlap": {"impl": "cobalt", "cobalt": {
+        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
         "overlap": {"enabled": True},
     }},
 }
@@ -50,7 +54,7 @@ def variant_config(base: dict, variant: str, rate: str) -> dict:
     cobalt = config.setdefault("cobalt", {})
     for key, value in VARIANTS[variant]["cobalt"].items():
         cobalt[key] = {**cobalt.get(key, {}), **value}
-    if variant == "cobalt-placement":  # the migration cost model prices moves at this run's link speed
+    if variant.startswith("cobalt-placement"):  # the migration cost model prices moves at this run's link speed
         cobalt["migration"] = {**cobalt.get("migration", {}), "inter_node_gbps": rate_gbps(rate)}
     return config
 
