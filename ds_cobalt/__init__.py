@@ -18,6 +18,7 @@ _LAZY = {
     "cobalt_layers": "ds_cobalt.integrations.engine",
     "CobaltConfig": "ds_cobalt.config",
     "parse_cobalt_config": "ds_cobalt.config",
+    "CobaltCallback": "ds_cobalt.integrations.hf",  # also `ds_cobalt.hf.CobaltCallback`
 }
 
 __all__ = sorted(_LAZY)

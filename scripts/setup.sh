@@ -13,9 +13,15 @@ if ! command -v g++ >/dev/null && [[ $(id -u) -eq 0 ]] && command -v apt-get >/d
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
 fi
 
+# Open MPI for mpirun launches (`deepspeed --launcher openmpi`, mpi4py discovery); Debian packages, root only.
+if ! command -v mpirun >/dev/null && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+fi
+
 # torch first and pinned: an unpinned torch (as pulled in by deepspeed) is the multi-GB CUDA build.
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,hf]"  # hf: transformers/accelerate/mpi4py, pinned
 command -v pyenv >/dev/null && pyenv rehash || true  # make the new `deepspeed` / `ds-cobalt` shims visible
 
 # Prebuild DeepSpeed's shm comm op (CPU accelerator only; cached under ~/.cache/torch_extensions).

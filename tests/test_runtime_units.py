@@ -84,6 +84,10 @@ def test_topology_detection_and_errors() -> None:
         detect_ranks_per_node(6, override=4)
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=4"):
         detect_ranks_per_node(6, env={"LOCAL_WORLD_SIZE": "4"})
+    assert detect_ranks_per_node(8, env={"LOCAL_SIZE": "2", "LOCAL_RANK": "1"}, rank=3) == 2  # deepspeed's pdsh runner
+    with pytest.raises(ValueError, match="consecutive"):  # mpirun --map-by node: rank 1 on the second node
+        detect_ranks_per_node(8, env={"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, rank=1)
+    assert detect_ranks_per_node(8, override=2, env={"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}, rank=3) == 2
     topo = Topology(world_size=8, ranks_per_node=4, rank=6)
     assert (topo.nodes, topo.node, topo.local_rank) == (2, 1, 2)
     with pytest.raises(ValueError, match="not divisible by ranks_per_node=3"):

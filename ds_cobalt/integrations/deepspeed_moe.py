@@ -68,7 +68,8 @@ class MoE(DeepSpeedMoE):
 
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
         super()._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-        ranks_per_node = detect_ranks_per_node(dist.get_world_size(), self.cobalt_config.topology.ranks_per_node)
+        ranks_per_node = detect_ranks_per_node(dist.get_world_size(), self.cobalt_config.topology.ranks_per_node,
+                                               rank=dist.get_rank())
         self._set_groups(build_ep_groups(self.deepspeed_moe.ep_group, ranks_per_node))
 
     def _set_groups(self, groups: EPGroups) -> None:

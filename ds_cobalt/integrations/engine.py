@@ -131,6 +131,8 @@ def _log_traffic(engine, interval: int) -> None:
     if engine.global_steps % interval or engine.global_rank != 0:
         return
     totals = traffic_summary(engine)
-    ratio = totals["inter_node_bytes"] / max(1, totals["deepspeed_inter_node_bytes_padded"])
+    # AutoEP layers pad nothing: compare with the dropless all-to-all there.
+    kind = "padded" if totals["deepspeed_inter_node_bytes_padded"] else "dropless"
+    ratio = totals["inter_node_bytes"] / max(1, totals[f"deepspeed_inter_node_bytes_{kind}"])
     logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
-                f"({ratio:.3f}x DeepSpeed's padded all-to-all), intra-node {totals['intra_node_bytes']} B")
+                f"({ratio:.3f}x DeepSpeed's {kind} all-to-all), intra-node {totals['intra_node_bytes']} B")

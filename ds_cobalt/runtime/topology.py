@@ -14,7 +14,9 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                    "SLURM_NTASKS_PER_NODE")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 @dataclass(frozen=True)
@@ -59,18 +61,28 @@ class EPGroups:
 
 
 def detect_ranks_per_node(world_size: int, override: int | None = None,
-                          env: Mapping[str, str] | None = None) -> int:
-    """Ranks per node: the config override, else the launcher's local world size, else all ranks."""
+                          env: Mapping[str, str] | None = None, rank: int | None = None) -> int:
+    """Ranks per node: the config override, else the launcher's local world size, else all ranks.
+
+    Without the override, `rank` (global) is checked against the launcher's local rank: nodes must hold
+    consecutive ranks (as `deepspeed`, `torchrun` and `mpirun --map-by slot` place them).
+    """
+    env = os.environ if env is None else env
     if override is not None:
         value, source = override, "cobalt.topology.ranks_per_node"
     else:
-        env = os.environ if env is None else env
         found = next(((name, env[name]) for name in _LOCAL_SIZE_VARS if env.get(name, "").isdigit()), None)
         if found is None:
             return world_size
         value, source = int(found[1]), found[0]
     if value < 1 or world_size % value != 0:
         raise ValueError(f"world size {world_size} is not divisible by {source}={value}")
+    local = next((int(env[name]) for name in _LOCAL_RANK_VARS if env.get(name, "").isdigit()), None)
+    if override is None and rank is not None and local is not None and local != rank % value:
+        raise ValueError(
+            f"rank {rank} has local rank {local}, but ds_cobalt groups nodes as blocks of {value} consecutive "
+            f"ranks (expected local rank {rank % value}); launch with consecutive ranks per node "
+            "(e.g. mpirun --map-by slot) or set cobalt.topology.ranks_per_node")
     return value
 
 

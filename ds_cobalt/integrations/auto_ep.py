@@ -1,0 +1,256 @@
+"""DeepSpeed AutoEP layers that move their tokens through ds_cobalt's dispatcher.
+
+With `"expert_parallel"` (AutoEP) and a `"cobalt"` section in the DeepSpeed config, DeepSpeed replaces the
+model's MoE blocks by `AutoEPMoELayer`s inside `deepspeed.initialize`; `adopt_auto_ep_layers` then turns
+each into a `CobaltAutoEPLayer` in place (a class change: same parameter objects, names, shapes and
+DeepSpeed tags, so optimizer groups, ZeRO-1/2 partitions and checkpoints are unaffected). The router, the
+shared experts and the output contract stay AutoEP's; only dispatch, expert compute and combine change.
+
+Legend: T tokens on this rank, K routes per token, D hidden size, Q rows received, F expert FFN size,
+S slots per rank, W ranks of the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.module_inject.auto_ep_comm import COMM_BACKEND
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
+from deepspeed.moe.ep_experts import apply_expert_activation
+
+from ..config import CobaltConfig
+from ..planner.layout import contiguous_layout
+from ..runtime.dispatch import combine, dispatch
+from ..runtime.experts import run_experts
+from ..runtime.placement import LayerPlacement, build_placement
+from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
+from ..runtime.stats import DeviceRoutingStats
+from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
+from ..runtime.traffic import TrafficCounters
+from .engine import register_layer_type
+
+ExpertFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CobaltAutoEPLayer(AutoEPMoELayer):
+    """An `AutoEPMoELayer` whose dispatch/combine is ds_cobalt's two-stage deduplicating one.
+
+    Not constructed directly: `adopt_auto_ep_layers` (called by `ds_cobalt.initialize` and by
+    `ds_cobalt.hf.CobaltCallback`) converts the layers DeepSpeed built. Experts are AutoEP's fused
+    `experts.w1/w2/w3` `[E_local, ...]` tensors; slot s of this rank computes with `w*[s]`.
+
+    Traffic counters: AutoEP's all-to-all sends one row per (token, expert) each way, so its cross-node
+    volume is `deepspeed_inter_node_bytes_dropless`; `deepspeed_inter_node_bytes_padded` stays 0 (no E x C
+    buffers).
+    """
+
+    cobalt_config: CobaltConfig
+    traffic: TrafficCounters
+    stats: DeviceRoutingStats
+    trace_rows: list[torch.Tensor] | None
+    _groups: EPGroups
+    _placement: LayerPlacement
+    _replica_plan: ReplicaPlan | None
+
+    @classmethod
+    def adopt(cls, layer: AutoEPMoELayer, config: CobaltConfig, groups: EPGroups) -> CobaltAutoEPLayer:
+        """Turn a DeepSpeed-built `AutoEPMoELayer` into this class, in place; returns the same object."""
+        _check_supported(layer)
+        layer.__class__ = cls
+        assert isinstance(layer, cls)
+        layer.cobalt_config = config
+        layer.traffic = TrafficCounters()
+        layer.stats = DeviceRoutingStats(
+            layer.num_experts, layer.top_k, device=layer.router.gate.weight.device
+        )
+        layer.trace_rows = None
+        layer._groups = groups
+        layer._replica_plan = None
+        topo = groups.topology
+        layer._install_layout(contiguous_layout(layer.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
+        return layer
+
+    # ----- layout (same contract as ds_cobalt.MoE) -------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        return self._groups.topology
+
+    @property
+    def layout_slots(self) -> np.ndarray:
+        """`[W, S]` slots of this layer's current layout (EP ranks)."""
+        return self._placement.slots_WS
+
+    def set_layout(self, slots_WS: np.ndarray) -> None:
+        """Use a new layout (e.g. with replica slots). Owner slots must stay as they are."""
+        topo = self._groups.topology
+        slots_WS = np.asarray(slots_WS, dtype=np.int64)
+        if slots_WS.ndim != 2 or slots_WS.shape[0] != topo.world_size:
+            raise ValueError(f"layout slots must be [{topo.world_size}, S], got {list(slots_WS.shape)}")
+        per_rank = self.num_local_experts
+        if not np.array_equal(slots_WS[:, :per_rank], self._placement.slots_WS[:, :per_rank]):
+            raise ValueError(
+                "set_layout: owner slots differ from the current layout; AutoEP layers cannot migrate "
+                "experts (their owners are fixed by AutoEP's contiguous placement)"
+            )
+        self._install_layout(slots_WS)
+
+    def _install_layout(self, slots_WS: np.ndarray) -> None:
+        topo = self._groups.topology
+        self._placement = build_placement(
+            slots_WS, topo.ranks_per_node, self.num_experts, self.router.gate.weight.device
+        )
+        has_replicas = self._placement.slots_per_rank > self.num_local_experts
+        self._replica_plan = plan_replicas(self._placement, topo.rank) if has_replicas else None
+
+    # ----- forward ---------------------------------------------------------------------------------
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        bsz, seqlen, hdim = hidden_states.shape
+        x_TD = hidden_states.reshape(-1, hdim)
+        ro = RouterOutput(*self.router(x_TD, self.expert_bias))  # AutoEP's routing, unchanged
+        with torch.no_grad():
+            self.tokens_per_expert.add_(ro.num_tokens_per_expert)
+        topk_ids_TK = ro.selected_experts.long()
+        self.stats.update(topk_ids_TK)
+        if self.trace_rows is not None:
+            self.trace_rows.append(topk_ids_TK.detach().cpu())
+
+        groups = self._groups
+        backend = self.cobalt_config.kernels.backend
+        rows_QD, handle = dispatch(
+            x_TD, topk_ids_TK, ro.top_scores, self._placement, groups, deepspeed_capacity=0, backend=backend
+        )
+        slot_fns, anchor = self._slot_functions(groups)
+        out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts, slot_fns)
+        output = combine(out_QD, handle, groups).reshape(bsz, seqlen, hdim)
+        if anchor is not None:
+            output = output + anchor
+        self.traffic.add(handle.traffic)
+        return self._finalize_output(output, x_TD, hidden_states, hdim)
+
+    def _slot_functions(self, groups: EPGroups) -> tuple[list[ExpertFn | None], torch.Tensor | None]:
+        """One callable per slot of this rank: owner experts (views of the fused weights), then replicas."""
+        experts = self.experts
+        act = (experts.activation, experts.activation_alpha, experts.activation_limit)
+        owner = [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)]
+        slot_fns: list[ExpertFn | None] = [_expert_fn(w, act) for w in owner]
+        if self._replica_plan is None:
+            return slot_fns, None
+        fetched, anchor = fetch_replicas([list(w) for w in owner], self._replica_plan, groups)
+        for slot in range(self.num_local_experts, self._placement.slots_per_rank):
+            params = fetched.get(slot)
+            slot_fns.append(None if params is None else _expert_fn(tuple(params), act))
+        return slot_fns, anchor
+
+
+def _expert_fn(weights: tuple[torch.Tensor, ...], act: tuple[str, float, float]) -> ExpertFn:
+    """AutoEP's expert MLP for one expert: `w2 @ act(w1 @ x, w3 @ x)`; w1, w3 `[F, D]`, w2 `[D, F]`."""
+    w1, w2, w3 = weights
+
+    def fn(rows_QD: torch.Tensor) -> torch.Tensor:
+        dtype = rows_QD.dtype
+        gate = rows_QD @ w1.to(dtype).t()
+        up = rows_QD @ w3.to(dtype).t()
+        # fused=False: the plain-torch form (AutoEP's reference path), also on CPU
+        return apply_expert_activation(gate, up, *act, fused=False) @ w2.to(dtype).t()
+
+    return fn
+
+
+def _check_supported(layer: AutoEPMoELayer) -> None:
+    family = getattr(layer, "model_family", "?")
+    if layer.score_apply != "post":
+        raise ValueError(
+            f"ds_cobalt: AutoEP layer of model family {family!r} uses score_apply={layer.score_apply!r}; "
+            "ds_cobalt applies router weights at combine and supports only 'post' "
+            "(set expert_parallel.score_apply to 'post' only if the model allows it)"
+        )
+    if layer.comm_backend != COMM_BACKEND:
+        raise ValueError(
+            f"ds_cobalt: expert_parallel.comm_backend={layer.comm_backend!r} is not supported with a "
+            f"'cobalt' section (ds_cobalt replaces the communication); use {COMM_BACKEND!r}"
+        )
+    if layer.folding_group_handles is not None and layer.folding_group_handles.spec.tp_size > 1:
+        raise ValueError(
+            "ds_cobalt: AutoEP with tensor-parallel folding (tensor_parallel.autotp_size > 1) is not "
+            "supported with a 'cobalt' section"
+        )
+
+
+def auto_ep_layers(model: torch.nn.Module) -> list[AutoEPMoELayer]:
+    """The AutoEP layers of a model (or engine), converted or not, in module order."""
+    module = getattr(model, "module", model)
+    return [m for m in module.modules() if isinstance(m, AutoEPMoELayer)]
+
+
+def adopt_auto_ep_layers(
+    engine: Any, config: CobaltConfig, *, zero_stage: int | None = None, expert_parallel: dict | None = None
+) -> list[CobaltAutoEPLayer]:
+    """Convert every AutoEP layer of `engine` (a DeepSpeedEngine, or its model) to ds_cobalt's dispatcher.
+
+    Collective when there is something to convert (creates the node/rail groups): call it on every rank,
+    right after `deepspeed.initialize`. Idempotent. `zero_stage` and `expert_parallel` (the config's
+    section) default to what the engine reports; they only serve the error messages.
+    Raises ValueError for unsupported combinations (ZeRO-3, AutoEP found no MoE layer, DeepEP backend, ...).
+    """
+    if expert_parallel is None:
+        ep_config = getattr(getattr(engine, "_config", None), "expert_parallel_config", None)
+        enabled = bool(ep_config is not None and ep_config.enabled)
+    else:
+        enabled = bool(expert_parallel.get("enabled", False))
+    layers = auto_ep_layers(engine)
+    if not layers:
+        if enabled:
+            model_config = getattr(getattr(engine, "module", engine), "config", None)
+            model_type = getattr(model_config, "model_type", None)
+            raise ValueError(
+                f"ds_cobalt: 'expert_parallel' is enabled but AutoEP replaced no MoE layer of this model "
+                f"(model_type={model_type!r}): the model family has no AutoEP preset or the preset does not "
+                "match. "
+                "Set expert_parallel.preset_model to a matching preset (mixtral, qwen3_moe, deepseek_v2, "
+                "deepseek_v3, ...) or give expert_parallel.moe_layer_pattern/expert_pattern/router_pattern"
+            )
+        return []
+    if zero_stage is None and hasattr(engine, "zero_optimization_stage"):
+        zero_stage = engine.zero_optimization_stage()
+    if zero_stage == 3:
+        raise ValueError(
+            "ds_cobalt: AutoEP with zero_optimization.stage=3 is not supported with a 'cobalt' section "
+            "(ZeRO-3 partitions the fused expert weights that ds_cobalt's slots compute with); "
+            "use stage 0, 1 or 2"
+        )
+    unsupported = {  # sections that need ds_cobalt.MoE internals (owner migration, overlapped runtime, trace)
+        "cobalt.trace.path": config.trace.path,
+        "cobalt.planner.replan_interval": getattr(getattr(config, "planner", None), "replan_interval", 0),
+        "cobalt.overlap.enabled": getattr(getattr(config, "overlap", None), "enabled", False),
+    }
+    for key, value in unsupported.items():
+        if value:
+            raise ValueError(f"ds_cobalt: {key}={value!r} is not supported with AutoEP layers yet; remove it")
+    for layer in layers:  # every check before the first collective, so all ranks fail alike
+        _check_supported(layer)
+    adopted = []
+    ranks_per_node = detect_ranks_per_node(dist.get_world_size(), config.topology.ranks_per_node,
+                                           rank=dist.get_rank())
+    for layer in layers:
+        if isinstance(layer, CobaltAutoEPLayer):
+            adopted.append(layer)
+            continue
+        if layer.ep_group is None and layer.ep_size > 1:
+            raise RuntimeError(
+                "ds_cobalt: AutoEP layer has no expert-parallel group; call deepspeed.initialize first"
+            )
+        ep_group = layer.ep_group if layer.ep_size > 1 else None
+        groups = build_ep_groups(ep_group, ranks_per_node) if layer.ep_size > 1 else _single_rank_groups()
+        adopted.append(CobaltAutoEPLayer.adopt(layer, config, groups))
+    return adopted
+
+
+def _single_rank_groups() -> EPGroups:
+    return EPGroups(Topology(1, 1, 0), (dist.get_rank(),), None, None, None)
+
+
+register_layer_type(CobaltAutoEPLayer)

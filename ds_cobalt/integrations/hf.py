@@ -1,0 +1,210 @@
+"""HuggingFace Trainer glue: `CobaltCallback`.
+
+    trainer = Trainer(model=model, args=TrainingArguments(..., deepspeed="ds_config.json"),
+                      train_dataset=ds, callbacks=[CobaltCallback()])
+
+The `"cobalt"` section stays in the DeepSpeed JSON: neither the Trainer's config handling (it only fills
+`"auto"` values) nor DeepSpeed reads unknown top-level keys. The callback
+
+- at `on_init_end` (before the Trainer builds the DeepSpeed engine): parses the section (errors name the key)
+  and applies it to the model's `ds_cobalt.MoE` layers;
+- at `on_train_begin` (the engine exists; with `"expert_parallel"` AutoEP has replaced the MoE blocks):
+  converts the AutoEP layers to ds_cobalt's dispatcher (`auto_ep.adopt_auto_ep_layers`) and installs
+  ds_cobalt's per-step hooks on the engine, as `ds_cobalt.initialize` does;
+- at `on_log` (training logging steps): adds `cobalt/*` metrics to the logs (so the printed logs,
+  `state.log_history`, TensorBoard and other reporters get them): traffic since the previous logging step,
+  summed over ranks, and expert load imbalance. Collective: every rank logs at the same steps, as the
+  Trainer does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
+
+from ..config import CobaltConfig, parse_cobalt_config, split_deepspeed_config
+from .engine import _install_step_hooks, _step_hooks, cobalt_layers
+
+PREFIX = "cobalt/"
+_TRAFFIC_KEYS = (
+    "inter_node_bytes",
+    "intra_node_bytes",
+    "deepspeed_inter_node_bytes_padded",
+    "deepspeed_inter_node_bytes_dropless",
+    "steps",
+    "tokens",
+)
+
+
+class CobaltCallback(TrainerCallback):
+    """Apply the `"cobalt"` config section to the engine the Trainer builds, and log ds_cobalt metrics.
+
+    `config`: a `CobaltConfig`, a `"cobalt"` dict, or None to read the section from
+    `TrainingArguments.deepspeed` (a path or dict; defaults when it has none).
+    Metrics added to each training log (sums over ranks, over the steps since the previous log):
+    `cobalt/inter_node_bytes`, `cobalt/intra_node_bytes`, `cobalt/baseline_inter_node_bytes` (what DeepSpeed
+    would have sent across nodes: its padded E x C buffers for `ds_cobalt.MoE` layers, AutoEP's one row per
+    (token, expert) for AutoEP layers), `cobalt/inter_node_vs_baseline` (ratio), `cobalt/tokens`, and
+    `cobalt/expert_load_max_over_mean` (mean over layers of the busiest expert's load over the mean).
+    """
+
+    def __init__(self, config: CobaltConfig | dict | None = None) -> None:
+        self._explicit = config
+        self.config: CobaltConfig | None = None
+        self._ds_config: dict = {}
+        self._trainer: weakref.ReferenceType | None = None
+        self._hooked_engine: int | None = None
+        self._previous: torch.Tensor | None = None
+
+    # ----- Trainer events ------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, model=None, **kwargs: Any) -> None:
+        self._ds_config = _load_deepspeed_config(getattr(args, "deepspeed", None))
+        self.config = self._resolve_config()
+        trainer = _calling_trainer()
+        if trainer is not None:
+            self._trainer = weakref.ref(trainer)
+            # run first, so the metrics this callback adds in on_log reach every reporter after it
+            callbacks = trainer.callback_handler.callbacks
+            callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+        for layer in cobalt_layers(model) if model is not None else []:
+            if hasattr(layer, "configure_cobalt"):
+                layer.configure_cobalt(self.config)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs: Any) -> None:
+        from .auto_ep import adopt_auto_ep_layers
+
+        config = self.config or self._resolve_config()
+        engine = self._engine()
+        target = engine if engine is not None else model
+        stage = self._ds_config.get("zero_optimization", {}).get("stage")
+        adopt_auto_ep_layers(
+            target,
+            config,
+            zero_stage=stage if isinstance(stage, int) else None,
+            expert_parallel=self._ds_config.get("expert_parallel", {}),
+        )
+        if engine is not None and self._hooked_engine != id(engine) and cobalt_layers(engine):
+            engine.cobalt_config = config
+            _install_step_hooks(engine, _step_hooks(engine, config))
+            self._hooked_engine = id(engine)
+        self._previous = None
+        self._window(model)  # baseline for the first logging window
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs: Any) -> None:
+        if logs is None or "loss" not in logs or model is None:  # only training logging steps (all ranks)
+            return
+        metrics = self.metrics(model)
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    # ----- metrics -------------------------------------------------------------------------------
+    def metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """ds_cobalt metrics since the previous call, summed over ranks (collective when distributed)."""
+        layers = cobalt_layers(model)
+        if not layers:
+            return {}
+        window = self._window(model)
+        traffic, loads = (
+            window[: len(_TRAFFIC_KEYS) * len(layers)],
+            window[len(_TRAFFIC_KEYS) * len(layers) :],
+        )
+        per_layer = traffic.reshape(len(layers), len(_TRAFFIC_KEYS)).double()
+        col = {key: per_layer[:, i] for i, key in enumerate(_TRAFFIC_KEYS)}
+        padded, dropless = (
+            col["deepspeed_inter_node_bytes_padded"],
+            col["deepspeed_inter_node_bytes_dropless"],
+        )
+        baseline = float(torch.where(padded > 0, padded, dropless).sum())
+        inter = float(col["inter_node_bytes"].sum())
+        imbalance = []
+        for load_E in loads.split([layer.stats.load_E.numel() for layer in layers]):
+            mean = float(load_E.mean())
+            if mean > 0:
+                imbalance.append(float(load_E.max()) / mean)
+        out = {
+            f"{PREFIX}inter_node_bytes": inter,
+            f"{PREFIX}intra_node_bytes": float(col["intra_node_bytes"].sum()),
+            f"{PREFIX}baseline_inter_node_bytes": baseline,
+            f"{PREFIX}inter_node_vs_baseline": inter / baseline if baseline else 0.0,
+            f"{PREFIX}tokens": float(col["tokens"].sum()) / len(layers),
+        }
+        if imbalance:
+            out[f"{PREFIX}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)
+        return out
+
+    def _window(self, model: torch.nn.Module | None) -> torch.Tensor:
+        """Counters since the previous call (traffic per layer, then each load_E), summed over ranks."""
+        layers = cobalt_layers(model) if model is not None else []
+        if not layers:
+            return torch.zeros(0, dtype=torch.float64)
+        device = layers[0].stats.load_E.device
+        traffic = torch.tensor(
+            [[layer.traffic.totals()[key] for key in _TRAFFIC_KEYS] for layer in layers],
+            dtype=torch.float64,
+            device=device,
+        ).reshape(-1)
+        loads = torch.cat([layer.stats.load_E.double().reshape(-1) for layer in layers])
+        current = torch.cat([traffic, loads])
+        previous = self._previous
+        self._previous = current.clone()
+        if previous is None or previous.shape != current.shape:
+            delta = current
+        else:
+            delta = current - previous
+            if bool((delta[traffic.numel() :] < 0).any()):  # NOTE: host sync; stats were reset (replanning)
+                delta[traffic.numel() :] = loads
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(delta)
+        return delta.cpu()  # NOTE: host sync, once per logging step
+
+    # ----- helpers -------------------------------------------------------------------------------
+    def _resolve_config(self) -> CobaltConfig:
+        if isinstance(self._explicit, CobaltConfig):
+            return self._explicit
+        if self._explicit is not None:
+            return parse_cobalt_config(self._explicit)
+        return split_deepspeed_config(self._ds_config)[1]
+
+    def _engine(self):
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            return None
+        wrapped = getattr(trainer, "model_wrapped", None)
+        return wrapped if hasattr(wrapped, "zero_optimization_stage") else None  # a DeepSpeedEngine
+
+
+def _load_deepspeed_config(value: Any) -> dict:
+    """`TrainingArguments.deepspeed`: a JSON path, a JSON string or a dict (None: no DeepSpeed)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, (str, Path)) and Path(value).is_file():
+        return json.loads(Path(value).read_text())
+    if isinstance(value, str):
+        try:
+            loaded = json.loads(value)
+        except json.JSONDecodeError:
+            loaded = None
+        if isinstance(loaded, dict):
+            return loaded
+    raise ValueError(f"TrainingArguments.deepspeed={value!r}: expected a DeepSpeed JSON path or dict")
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose `__init__` is running `on_init_end` (found on the call stack), if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
