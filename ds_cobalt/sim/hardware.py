@@ -122,13 +122,6 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
                "ConnectX-7, 989 TFLOP/s dense BF16 (SXM); assumed achieved: 80% of link bandwidths, 60% of "
                "peak FLOP/s, 5 us per message, 10 us per collective",
     ),
-    "H200": Hardware(
-        name="H200", gpus_per_node=8, inter_node_bw_gpu=_IB_400G, inter_node_bw_node=8 * _IB_400G,
-        intra_node_bw=450e9 * 0.8, latency_s=5e-6, collective_overhead_s=10e-6, gemm_flops=989e12 * 0.6,
-        overlap=True,
-        source="DGX H200: as H100 (same NVLink 4 and Hopper compute, more HBM), 8x 400 Gb/s ConnectX-7; "
-               "assumed achieved: 80% of link bandwidths, 60% of peak FLOP/s, 5 us per message, 10 us per collective",
-    ),
     # Calibrated on the 2-core development machine with `ds-cobalt calibrate` (see docs/simulator.md):
     # 2 namespaces x 2 CPU ranks, one tbf-limited veth per direction, gloo. The default inter-node rate is
     # the 1gbit calibration; pass --inter-node-rate (e.g. 100mbit) for the others.
@@ -143,6 +136,11 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         link_rates={"100mbit": 12.29e6, "1gbit": 119.5e6, "10gbit": 658.4e6},
     ),
 }
+# H200: H100's NVLink 4 and Hopper compute with more HBM, which this model does not use.
+HARDWARE_PRESETS["H200"] = replace(
+    HARDWARE_PRESETS["H100"], name="H200",
+    source="DGX H200: as H100 (same NVLink 4 and Hopper compute, more HBM), 8x 400 Gb/s ConnectX-7; "
+           "assumed achieved: 80% of link bandwidths, 60% of peak FLOP/s, 5 us per message, 10 us per collective")
 
 MODEL_SHAPES: dict[str, ModelShape] = {
     "mixtral": ModelShape(
