@@ -11,7 +11,8 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
 One `benchmarks/cluster/run_cluster.sh` job per (rate, variant), one after the other (2 cores). Each writes
 `OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`). Prints, per rate,
 tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, and the
-largest loss difference to (a); writes `OUT/summary.json` and `OUT/summary.md`.
+largest loss difference to (a); writes `OUT/summary.json`, `OUT/summary.md` and the plots of
+`ds-cobalt report OUT` (`OUT/report/index.html`: throughput and bytes per step, co-activation heatmaps).
 `ds-cobalt calibrate --compare OUT` compares the measured step-time ratios with the simulator.
 """
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         rate_gbps(rate)  # fail early on a bad rate
     base = json.loads((Path(args.repo) / args.config).read_text())
     out_root = Path(args.out).resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])}
     failed = 0
     for rate in args.rates:
         for variant in args.variants:
@@ -130,8 +132,6 @@ def main(argv: list[str] | None = None) -> int:
                 "--trace-out", str(out / "trace.npz"), *args.extra,
             ]
             print(f"[e2e] {rate} {variant}", flush=True)
-            env = {**os.environ,
-                   "PYTHONPATH": os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])}
             with open(out / "run.log", "w") as log:
                 rc = subprocess.run(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
             print(f"[e2e] {rate} {variant} rc={rc}", flush=True)
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(summary)
     (out_root / "summary.md").write_text(table)
     print(table)
-    return 1 if failed else 0
+    report = subprocess.run([sys.executable, "-m", "ds_cobalt.cli", "report", str(out_root)], cwd=args.repo, env=env)
+    return 1 if failed or report.returncode else 0
 
 
 if __name__ == "__main__":
