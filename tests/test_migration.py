@@ -115,15 +115,16 @@ def random_owner_layout(rng: np.random.Generator, world: int = 4) -> np.ndarray:
     return rng.permutation(E).reshape(world, E // world)
 
 
-def migrate_randomly(seed: int):
-    """A `before_step` callback: every 10 steps, move all layers to random owner permutations."""
+def migrate_randomly(seed: int, asynchronous: bool = False):
+    """A `before_step` callback: every 10 steps, move all layers to random owner permutations (with
+    `asynchronous`, the transfers run behind the next forward and each layer commits in its pre-hook)."""
     def hook(engine, step: int) -> None:
         if step and step % 10 == 0:
             from ds_cobalt.integrations.migration import migrate
 
             rng = np.random.default_rng(seed + step)
-            report = migrate(engine, [random_owner_layout(rng) for _ in range(LAYERS)])
-            assert report.ok, report
+            report = migrate(engine, [random_owner_layout(rng) for _ in range(LAYERS)], asynchronous=asynchronous)
+            assert asynchronous or report.ok, report
     return hook
 
 
@@ -175,7 +176,8 @@ def _identical_training(rank: int, world: int, stage: int, steps: int) -> dict:
     runs["cobalt"] = train(engine, range(steps))
     engine.destroy()
     engine = build_engine("cobalt", stage)
-    runs["migrating"] = train(engine, range(steps), before_step=migrate_randomly(seed=stage))
+    # ZeRO 1 migrates synchronously, ZeRO 0 and 2 asynchronously (behind the next forward)
+    runs["migrating"] = train(engine, range(steps), before_step=migrate_randomly(seed=stage, asynchronous=stage != 1))
     layouts = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
     migrations = [r for r in getattr(engine, "cobalt_migrations", []) if r.ok]
     dist.barrier()
@@ -249,6 +251,26 @@ def _faults_round_trip_relink(rank: int, world: int, stage: int, dtype: str) -> 
     ok2 = migrate(engine, layouts).ok
     back = raw_state(engine)
     out["round_trip"] = ok1 and ok2 and all(np.array_equal(before[k], back[k]) for k in before)
+
+    # Asynchronous: a transfer failing on one rank at commit leaves those layers' state and layout as they were.
+    from ds_cobalt.integrations.migration import flush_pending
+
+    def stage_fault(name: str, layer: int) -> None:
+        if rank == 2 and name == "stage":
+            raise TimeoutError("injected fault at stage")
+
+    set_fault_hook(stage_fault)
+    pending = migrate(engine, target, reason="async fault test", asynchronous=True)
+    flush_pending(engine)
+    set_fault_hook(None)
+    out["async_failed_ok"] = pending.report.ok
+    after_async = raw_state(engine)
+    out["async_bit_identical"] = all(np.array_equal(before[k], after_async[k]) for k in before)
+    out["async_layouts_kept"] = all(np.array_equal(a, layer.layout_slots) for a, layer in zip(layouts, layers))
+    pending = migrate(engine, target, reason="async", asynchronous=True)
+    flush_pending(engine)
+    out["async_moved"] = pending.report.ok and all(
+        np.array_equal(t, layer.layout_slots) for t, layer in zip(target, layers))
     return out
 
 
@@ -260,6 +282,8 @@ def test_fault_injection_leaves_state_bit_identical(run_ranks: Any, stage: int, 
         assert r["bit_identical_after_faults"]
         assert r["layouts_kept"]
         assert r["round_trip"]
+        assert r["async_failed_ok"] is False and r["async_bit_identical"] and r["async_layouts_kept"]
+        assert r["async_moved"]
         expected = {2: 0, 1: 1, 3: 2}.get(rank)
         for i, err in enumerate(r["errors"]):
             assert (err is not None) == (i == expected), (rank, r["errors"])

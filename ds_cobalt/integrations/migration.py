@@ -14,7 +14,9 @@ Two phases: (1) read the rows of moving experts, all-to-all them over the EP gro
 (nothing is written); (2) one all_reduce confirms success on every rank, then each rank writes the staged
 rows into its owner parameters and installs the new lookup tables. A failure in phase 1 on any rank
 (an exception, a collective timeout, an injected fault) leaves the old layout and every bit of state as it
-was, and is logged. The migration is synchronous: it runs inside the step hook, before the next forward.
+was, and is logged. `migrate(..., asynchronous=True)` (what the replanner uses with
+`cobalt.migration.asynchronous`) starts the transfers right after the step and commits each layer in its
+forward pre-hook, so a layer waits only for its own experts; see `PendingMigration`.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from ..runtime.comm import all_to_all_rows
 from ..runtime.placement import build_placement
 from .deepspeed_moe import MoE
 
-__all__ = ["OwnerMoves", "MigrationReport", "plan_owner_moves", "migrate", "relink_optimizer_state",
-           "set_fault_hook", "ExpertStateIO", "moe_layers"]
+__all__ = ["OwnerMoves", "MigrationReport", "PendingMigration", "plan_owner_moves", "migrate", "flush_pending",
+           "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "moe_layers"]
 
 # fault_hook(stage, layer_index) is called on every rank at "pack" (rows read), "transfer" (before the
 # all-to-all) and "stage" (rows received); raising there simulates a failure on that rank.
@@ -241,21 +243,12 @@ def _expert_params(layer: MoE, slot: int) -> list[torch.nn.Parameter]:
     return list(layer.deepspeed_moe.experts.deepspeed_experts[slot].parameters())
 
 
-def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str = "forced",
-            predicted_saving_s: float | None = None, fault_hook: FaultHook | None = None) -> MigrationReport:
-    """Move the owners of every ds_cobalt layer of `engine` to `new_slots[l]` (`[W, S]`, None = keep).
-
-    Collective over the world group: every rank calls it with the same layouts, between optimizer
-    steps. Returns the report (also logged, written to the DeepSpeed monitor and appended to
-    `engine.cobalt_migrations`). ValueError for an invalid layout (before any communication).
-    """
-    fault_hook = fault_hook or _FAULT_HOOK
+def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, MoE, np.ndarray, OwnerMoves]]:
+    """Validate the layouts (ValueError before any communication) and plan each layer's owner moves."""
     layers = moe_layers(engine)
     if len(new_slots) != len(layers):
         raise ValueError(f"migrate: got {len(new_slots)} layouts for {len(layers)} ds_cobalt layers")
-    step = int(getattr(engine, "global_steps", 0))
-    start = time.perf_counter()
-    plans: list[tuple[int, MoE, np.ndarray, OwnerMoves]] = []
+    plans = []
     for index, (layer, slots) in enumerate(zip(layers, new_slots)):
         if slots is None:
             continue
@@ -266,29 +259,70 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
         build_placement(slots, topo.ranks_per_node, layer.num_experts)  # validates owners
         moves = plan_owner_moves(layer.layout_slots, slots, layer.num_local_experts, topo.rank)
         plans.append((index, layer, slots, moves))
+    return plans
 
+
+def _read_rows(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves) -> torch.Tensor:
+    """Phase 1 for one layer: the moving experts' rows, read only. Reads of ZeRO fragments are collectives
+    of the expert-data-parallel group; they run in the same order on every rank."""
+    F = io.row_size(_expert_params(layer, 0))
+    device = layer.deepspeed_moe.gate.wg.weight.device
+    rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
+    for i, slot in enumerate(moves.send_slot):
+        rows[i] = io.read(_expert_params(layer, slot))
+    return rows
+
+
+def _write_rows(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves, recv: torch.Tensor) -> None:
+    for row, slot in zip(recv, moves.recv_slot):
+        io.write(_expert_params(layer, slot), row)
+
+
+def _traffic(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves) -> tuple[int, int]:
+    row_bytes = io.row_size(_expert_params(layer, 0)) * 4
+    rank = layer.topology.rank
+    return (row_bytes * (sum(moves.send_splits) - moves.send_splits[rank]),
+            row_bytes * sum(1 for _, a, b in moves.moved if a != b))
+
+
+def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str = "forced",
+            predicted_saving_s: float | None = None, fault_hook: FaultHook | None = None,
+            asynchronous: bool = False) -> "MigrationReport | PendingMigration":
+    """Move the owners of every ds_cobalt layer of `engine` to `new_slots[l]` (`[W, S]`, None = keep).
+
+    Collective over the world group: every rank calls it with the same layouts, between optimizer
+    steps. Returns the report (also logged, written to the DeepSpeed monitor and appended to
+    `engine.cobalt_migrations`). ValueError for an invalid layout (before any communication).
+    `asynchronous=True` returns a `PendingMigration` instead: the transfers run behind the next forward
+    and each layer commits in a forward pre-hook, waiting only for its own experts.
+    """
+    flush_pending(engine)
+    fault_hook = fault_hook or _FAULT_HOOK
+    step = int(getattr(engine, "global_steps", 0))
+    start = time.perf_counter()
+    plans = _plan_layers(engine, new_slots)
     moving = [p for p in plans if not p[3].empty]
     io = ExpertStateIO(engine, _expert_params(moving[0][1], 0)[0]) if moving else None
+    if asynchronous:
+        return PendingMigration(engine, plans, io, reason, predicted_saving_s, fault_hook, step, start)
     staged: list[torch.Tensor] = []
     error: str | None = None
     bytes_sent = bytes_moved = 0
     with torch.no_grad():
         for index, layer, _, moves in moving:
-            rank = layer.topology.rank
-            F = io.row_size(_expert_params(layer, 0))
-            device = layer.deepspeed_moe.gate.wg.weight.device
-            rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
+            rows = None
             if error is None:
                 try:
-                    # Phase 1: read only. Reads of ZeRO fragments are collectives of the expert-data-
-                    # parallel group; they run in the same order on every rank.
-                    for i, slot in enumerate(moves.send_slot):
-                        rows[i] = io.read(_expert_params(layer, slot))
+                    rows = _read_rows(io, layer, moves)
                     if fault_hook is not None:
                         fault_hook("pack", index)
                         fault_hook("transfer", index)
                 except Exception as err:  # noqa: BLE001 - any failure aborts the whole migration
                     error = f"layer {index}: {type(err).__name__}: {err}"
+            F = io.row_size(_expert_params(layer, 0))
+            if rows is None:
+                device = layer.deepspeed_moe.gate.wg.weight.device
+                rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
             recv = rows.new_zeros((sum(moves.recv_splits), F))
             try:
                 recv = all_to_all_rows(rows, moves.send_splits, moves.recv_splits, layer._require_groups().ep_group)
@@ -299,16 +333,14 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
             except Exception as err:  # noqa: BLE001
                 error = error or f"layer {index}: {type(err).__name__}: {err}"
             staged.append(recv.clone() if recv.data_ptr() == rows.data_ptr() else recv)
-            row_bytes = F * 4
-            bytes_sent += row_bytes * (sum(moves.send_splits) - moves.send_splits[rank])
-            bytes_moved += row_bytes * sum(1 for _, a, b in moves.moved if a != b)
+            sent, moved = _traffic(io, layer, moves)
+            bytes_sent, bytes_moved = bytes_sent + sent, bytes_moved + moved
 
         # Phase 2: agree, then swap. Only local writes from here on.
         ok = _all_ranks_ok(error is None)
         if ok:
             for (index, layer, slots, moves), recv in zip(moving, staged):
-                for row, slot in zip(recv, moves.recv_slot):
-                    io.write(_expert_params(layer, slot), row)
+                _write_rows(io, layer, moves, recv)
             for index, layer, slots, moves in plans:
                 layer._install_layout(slots)
     report = MigrationReport(
@@ -318,6 +350,136 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
         predicted_saving_s=predicted_saving_s, error=error)
     _record(engine, report)
     return report
+
+
+class PendingMigration:
+    """A migration whose transfers run behind the next forward.
+
+    Right after the step: every rank reads its moving experts' rows, one all-reduce confirms the reads
+    succeeded everywhere, and each layer's all-to-all starts asynchronously. Then each layer commits in a
+    forward pre-hook (or in `flush`, before the next optimizer step or checkpoint): wait for its own
+    transfer, one all-reduce to agree, write the staged rows, install the layout. A layer whose transfer
+    failed anywhere keeps its old layout and state; each layer is all-or-nothing on its own.
+    """
+
+    def __init__(self, engine: Any, plans: list, io: "ExpertStateIO | None", reason: str,
+                 predicted_saving_s: float | None, fault_hook: FaultHook | None, step: int, start: float) -> None:
+        self.engine, self.io, self.reason, self.fault_hook = engine, io, reason, fault_hook
+        self.predicted_saving_s, self.step, self.start = predicted_saving_s, step, start
+        self.errors: list[str] = []
+        self.moved: list[tuple[int, int, int, int]] = []
+        self.bytes_sent = self.bytes_moved = 0
+        self.report: MigrationReport | None = None
+        self._pending: dict[int, tuple] = {}
+        moving = [p for p in plans if not p[3].empty]
+        read: list[tuple[int, torch.Tensor]] = []
+        error = None
+        with torch.no_grad():
+            for index, layer, _, moves in moving:
+                try:
+                    read.append((index, _read_rows(io, layer, moves)))
+                    if fault_hook is not None:
+                        fault_hook("pack", index)
+                except Exception as err:  # noqa: BLE001
+                    error = error or f"layer {index}: {type(err).__name__}: {err}"
+        if not _all_ranks_ok(error is None):
+            self.errors.append(error or "a read failed on another rank")
+            self._finish()
+            return
+        rows_of = dict(read)
+        for index, layer, slots, moves in plans:
+            if moves.empty:
+                layer._install_layout(slots)  # replica-only change: nothing to move
+                continue
+            rows = rows_of[index]
+            recv, work = rows, None
+            group = layer._require_groups().ep_group
+            try:
+                if fault_hook is not None:
+                    fault_hook("transfer", index)
+                if group is not None:
+                    recv = rows.new_empty((sum(moves.recv_splits), rows.shape[1]))
+                    work = dist.all_to_all_single(recv, rows, list(moves.recv_splits), list(moves.send_splits),
+                                                  group=group, async_op=True)
+            except Exception as err:  # noqa: BLE001
+                work = _Failed(f"layer {index}: {type(err).__name__}: {err}")
+            hook = layer.register_forward_pre_hook(lambda module, args, index=index: self.commit(index))
+            self._pending[index] = (layer, slots, moves, rows, recv, work, hook)
+        engine.cobalt_pending_migration = self
+        _flush_before(engine, "step")
+        _flush_before(engine, "save_checkpoint")
+        if not self._pending:
+            self._finish()
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    def commit(self, index: int) -> None:
+        """Wait for layer `index`'s transfer, agree on every rank, then swap its state and layout."""
+        layer, slots, moves, rows, recv, work, hook = self._pending.pop(index)
+        hook.remove()
+        error = None
+        try:
+            if isinstance(work, _Failed):
+                raise RuntimeError(work.message)
+            if work is not None:
+                work.wait()
+            if self.fault_hook is not None:
+                self.fault_hook("stage", index)
+        except Exception as err:  # noqa: BLE001
+            error = f"layer {index}: {type(err).__name__}: {err}"
+        if _all_ranks_ok(error is None):
+            with torch.no_grad():
+                _write_rows(self.io, layer, moves, recv)
+            layer._install_layout(slots)
+            self.moved += [(index, e, a, b) for e, a, b in moves.moved]
+            sent, moved = _traffic(self.io, layer, moves)
+            self.bytes_sent, self.bytes_moved = self.bytes_sent + sent, self.bytes_moved + moved
+        else:
+            self.errors.append(error or f"layer {index}: transfer failed on another rank")
+        if not self._pending:
+            self._finish()
+
+    def flush(self) -> None:
+        for index in sorted(self._pending):
+            self.commit(index)
+
+    def _finish(self) -> None:
+        if getattr(self.engine, "cobalt_pending_migration", None) is self:
+            self.engine.cobalt_pending_migration = None
+        self.report = MigrationReport(
+            ok=not self.errors, step=self.step, reason=self.reason, moved=tuple(self.moved),
+            bytes_moved=self.bytes_moved, bytes_sent=self.bytes_sent, seconds=time.perf_counter() - self.start,
+            predicted_saving_s=self.predicted_saving_s, error="; ".join(self.errors) or None)
+        _record(self.engine, self.report)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
+def flush_pending(engine: Any) -> None:
+    """Commit what an asynchronous migration still has in flight (collective)."""
+    pending = getattr(engine, "cobalt_pending_migration", None)
+    if pending is not None:
+        pending.flush()
+
+
+def _flush_before(engine: Any, method: str) -> None:
+    """Make `engine.<method>` commit any pending migration first (installed once per engine and method)."""
+    marker = f"_cobalt_flush_{method}"
+    if getattr(engine, marker, False) or not hasattr(engine, method):
+        return
+    original = getattr(engine, method)
+
+    def flushed(*args: Any, **kwargs: Any):
+        flush_pending(engine)
+        return original(*args, **kwargs)
+
+    setattr(engine, method, flushed)
+    setattr(engine, marker, True)
 
 
 def _all_ranks_ok(local_ok: bool) -> bool:

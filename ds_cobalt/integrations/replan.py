@@ -247,7 +247,8 @@ class Replanner:
                 to_migrate[i] = slots[i]
         if any(s is not None for s in to_migrate):
             saving = float(sum(s for s, a in zip(savings, actions) if a == MIGRATE))
-            migrate(engine, to_migrate, reason=f"replan:{self.cfg.policy}", predicted_saving_s=saving)
+            migrate(engine, to_migrate, reason=f"replan:{self.cfg.policy}", predicted_saving_s=saving,
+                    asynchronous=self.mig.asynchronous)
         elif rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: no owner migration "
                         f"({sum(a == REPLICAS for a in actions)} layer(s) changed replicas only)")
