@@ -72,7 +72,9 @@ class MigrationConfig(_Section):
     """Moving expert owners. A plan that moves owners is applied only when the modelled saving over the next
     interval beats `margin` x the modelled migration time over a link of `inter_node_gbps` gigabit/s
     (`ignore_cost_model`: always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
-    DeepSpeed's contiguous expert order (migrate there around the save, and back). `asynchronous`: transfers
+    DeepSpeed's contiguous expert order (migrate there around the save, and back); `checkpoint_portable_state`:
+    also write every parameter's full training state beside it, so `load_checkpoint(..., load_module_only=True)`
+    at another world size restores the optimizer state (integrations/portable.py). `asynchronous`: transfers
     start right after the step and run behind the next forward; each layer waits for its own experts in a
     forward pre-hook (false: the whole migration completes inside the step hook)."""
 
@@ -80,6 +82,7 @@ class MigrationConfig(_Section):
     margin: float = Field(default=1.5, ge=0)
     ignore_cost_model: bool = False
     checkpoint_logical_order: bool = True
+    checkpoint_portable_state: bool = True
     asynchronous: bool = True
 
 

@@ -10,16 +10,18 @@ DeepSpeed load, re-links ZeRO's optimizer-state fragments, and migrates to the s
 topology matches (else training continues from the contiguous layout, and the next replan moves it).
 
 The files are therefore exactly DeepSpeed's: they load into vanilla `deepspeed.moe.layer.MoE` and back.
-What DeepSpeed's format itself cannot do, ds_cobalt does not add: optimizer state at a different data-
-parallel / expert-parallel world size (ZeRO-1/2 raise "Automatic adjustment of ZeRO's optimizer state
-partitioning with a new world size is not currently supported"; without ZeRO the per-EP-rank optimizer
-file holds a different number of experts). At a different world size load with `load_module_only=True`
-(all expert weights, from the per-expert files) or `load_optimizer_states=False`.
+What DeepSpeed's format itself cannot do is optimizer state at a different data-parallel / expert-parallel
+world size (ZeRO-1/2 raise "Automatic adjustment of ZeRO's optimizer state partitioning with a new world
+size is not currently supported"; without ZeRO the per-EP-rank optimizer file holds a different number of
+experts). For that every save also writes `portable.py`'s state beside DeepSpeed's files; at another world
+size, ranks per node or layout, `load_checkpoint(dir, load_module_only=True)` loads DeepSpeed's weights and
+then restores every parameter's master copy and optimizer state from it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,7 @@ from deepspeed.utils import logger
 from ..planner.layout import contiguous_layout
 from .deepspeed_moe import MoE
 from .migration import migrate, moe_layers, relink_optimizer_state
+from .portable import has_portable_state, load_portable_state, save_portable_state
 
 CLIENT_KEY = "ds_cobalt"
 FORMAT = "ds-cobalt/checkpoint-v1"
@@ -43,20 +46,38 @@ def _owners_contiguous(layer: MoE) -> bool:
     return np.array_equal(layer.layout_slots[:, :P], _contiguous(layer))
 
 
-def install_checkpoint_hooks(engine: Any) -> None:
-    """Wrap `engine.save_checkpoint` / `engine.load_checkpoint` (same signatures and results)."""
+def install_checkpoint_hooks(engine: Any, portable_state: bool = True) -> None:
+    """Wrap `engine.save_checkpoint` / `engine.load_checkpoint` (same signatures and results).
+
+    With `portable_state`, every save also writes the world-size-independent state of `portable.py`, and a
+    `load_checkpoint(..., load_module_only=True)` restores the optimizer state from it when present."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     @functools.wraps(save)
     def save_checkpoint(save_dir, tag=None, client_state=None, *args: Any, **kwargs: Any):
-        return save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
+        tag = f"global_step{engine.global_steps}" if tag is None else tag  # DeepSpeed's default tag
+        result = save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
+        if portable_state:
+            save_portable_state(engine, os.path.join(save_dir, str(tag)))
+        return result
 
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
-        return load_logical(engine, load, load_dir, tag, *args, **kwargs)
+        result = load_logical(engine, load, load_dir, tag, *args, **kwargs)
+        if portable_state and kwargs.get("load_module_only") and result[0] is not None:
+            directory = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir)))
+            if has_portable_state(directory):
+                load_portable_state(engine, directory)
+                logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state)")
+        return result
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _latest_tag(load_dir: str) -> str:
+    with open(os.path.join(load_dir, "latest")) as f:
+        return f.read().strip()
 
 
 def layout_metadata(layers: list[MoE]) -> dict:

@@ -101,7 +101,7 @@ def _step_hooks(engine, cobalt: CobaltConfig) -> list[StepHook]:
     if cobalt.migration.checkpoint_logical_order:
         from .checkpoint import install_checkpoint_hooks
 
-        install_checkpoint_hooks(engine)  # not a step hook: wraps save/load_checkpoint (logical expert order)
+        install_checkpoint_hooks(engine, cobalt.migration.checkpoint_portable_state)  # not a step hook: wraps save/load_checkpoint (logical expert order)
     if cobalt.planner.replan_interval:
         from .replan import Replanner
 
