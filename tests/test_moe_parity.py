@@ -32,6 +32,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
                                "overlap": case.get("overlap", {})})
     ours = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    ref.to(dtype), ours.to(dtype)
     ref.set_deepspeed_parallelism()
     ours.set_deepspeed_parallelism()
     if case.get("replicas") is not None:
@@ -40,8 +42,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
 
     T = case["tokens"][rank]
     torch.manual_seed(100 + rank)
-    x = torch.randn(T, D)
-    grad_out = torch.randn(T, D)
+    x = torch.randn(T, D).to(dtype)
+    grad_out = torch.randn(T, D).to(dtype)
     results = {}
     ours.trace_rows = []  # records the routed top-k ids (-1 = dropped)
     for name, layer in (("ref", ref), ("ours", layer_ := ours)):
@@ -74,6 +76,10 @@ CASES = {
     "four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1),
     "overlap_four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1,
                                     overlap={"enabled": True, "tile_rows": 4}),
+    # bf16 experts: fp32 sums rounded once, like DeepSpeed's combine (bf16 tolerance)
+    "bf16_k2_dropless": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16"),
+    "overlap_bf16_k2": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16",
+                            overlap={"enabled": True, "tile_rows": 3}),
     # the overlapped schedule (runtime/overlap.py): tiny tiles so every chunk boundary is exercised
     "overlap_k2_dropless_tiles": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
                                       overlap={"enabled": True, "tile_rows": 3}),
@@ -98,15 +104,16 @@ def parity_results() -> dict[str, list[dict]]:
 def test_matches_deepspeed_moe(parity_results, name: str) -> None:
     import torch
 
+    tol = 2e-2 if CASES[name].get("dtype") == "bfloat16" else 1e-5
     for rank, res in enumerate(parity_results[name]):
         ref, ours = res["ref"], res["ours"]
-        torch.testing.assert_close(ours["out"], ref["out"], atol=1e-5, rtol=0, msg=f"rank {rank} output")
+        torch.testing.assert_close(ours["out"], ref["out"], atol=tol, rtol=0, msg=f"rank {rank} output")
         torch.testing.assert_close(ours["l_aux"], ref["l_aux"], atol=1e-6, rtol=0, equal_nan=True)  # NaN on a rank with no tokens
         assert torch.equal(ours["counts"], ref["counts"])
-        torch.testing.assert_close(ours["x_grad"], ref["x_grad"], atol=1e-5, rtol=0, msg=f"rank {rank} x.grad")
+        torch.testing.assert_close(ours["x_grad"], ref["x_grad"], atol=tol, rtol=0, msg=f"rank {rank} x.grad")
         assert ours["grads"].keys() == ref["grads"].keys()
         for pname, grad in ref["grads"].items():
-            torch.testing.assert_close(ours["grads"][pname], grad, atol=1e-5, rtol=0, msg=f"rank {rank} {pname}")
+            torch.testing.assert_close(ours["grads"][pname], grad, atol=tol, rtol=tol, msg=f"rank {rank} {pname}")
 
 
 def test_node_grouping_follows_ranks_per_node(parity_results) -> None:

@@ -226,19 +226,23 @@ def weighted_sum(rows_RD: torch.Tensor, weight_R: torch.Tensor, index_R: torch.T
 
 
 def combine(expert_out_QD: torch.Tensor, handle: DispatchHandle, groups: EPGroups) -> torch.Tensor:
-    """Weighted sum of every route's expert output per token, `[T, D]` in the experts' dtype."""
+    """Weighted sum of every route's expert output per token, `[T, D]` in the experts' dtype.
+
+    Sums stay in fp32 and are rounded once, like DeepSpeed's combine; only the per-(token, node) partial
+    sums are rounded to the experts' dtype for their trip over the rail."""
     back_RD = all_to_all_rows(expert_out_QD, handle.node_recv, handle.node_send, groups.node_group)
-    pooled = weighted_sum(back_RD, handle.relay.weight_R, handle.relay.pool_R,
+    pooled = weighted_sum(back_RD.float(), handle.relay.weight_R, handle.relay.pool_R,
                           handle.num_tokens + sum(handle.rail_recv), handle.backend)
-    return return_to_sources(pooled[: handle.num_tokens], pooled[handle.num_tokens:], handle.pair_token_P,
-                             handle.rail_send, handle.rail_recv, groups)
+    return return_to_sources(pooled[: handle.num_tokens], pooled[handle.num_tokens:].to(expert_out_QD.dtype),
+                             handle.pair_token_P, handle.rail_send, handle.rail_recv, groups)
 
 
 def return_to_sources(own_TD: torch.Tensor, relayed_PD: torch.Tensor, pair_token_P: torch.Tensor,
                       rail_send: Sequence[int], rail_recv: Sequence[int], groups: EPGroups) -> torch.Tensor:
-    """One row per (token, remote node) back over the rail, added to the tokens' own-node sums."""
+    """One row per (token, remote node) back over the rail, added to the tokens' own-node sums (fp32);
+    the result is in the dtype of `relayed_PD`."""
     returned_PD = all_to_all_rows(relayed_PD, rail_recv, rail_send, groups.rail_group)
-    return own_TD.index_add(0, pair_token_P, returned_PD)
+    return own_TD.float().index_add(0, pair_token_P, returned_PD.float()).to(relayed_PD.dtype)
 
 
 def _deepspeed_remote_routes(topk_ids_TK: torch.Tensor, num_experts: int, topo: Topology) -> torch.Tensor:

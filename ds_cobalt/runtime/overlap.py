@@ -256,7 +256,7 @@ def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: 
     counts.append((send_GS, recv_GS))
     rows_RD = gather_rows(pool_D, relay.pool_R, backend=backend)
     out_RD = expert_exchange(rows_RD, send_GS, recv_GS, slots, groups, tile_rows)
-    return weighted_sum(out_RD, relay.weight_R, relay.pool_R, num_out, backend)
+    return weighted_sum(out_RD.float(), relay.weight_R, relay.pool_R, num_out, backend)  # fp32 sums
 
 
 def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
@@ -286,13 +286,13 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     recv_routes = _Landed.apply(send_routes, inflight_routes)
     relay_b = relay_routes(plan, weights_TK, recv_routes, 0, groups, S, include_local=False)
     relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts,
-                              backend)
+                              backend).to(x_TD.dtype)  # rounded once, for the trip back
     inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
 
     # Round A2: the other half of the own routes, while the results travel back.
     own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts, backend)
     returned_PD = _Landed.apply(relayed_PD, inflight_back)
-    out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD)
+    out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD.float()).to(x_TD.dtype)
 
     send_GS, recv_GS = (_sum_counts([c[i] for c in counts]) for i in (0, 1))
     traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(),
