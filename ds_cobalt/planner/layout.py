@@ -65,10 +65,7 @@ class Layout:
 
     def owner_rank(self, layer: int) -> np.ndarray:
         """`[E]` rank owning each expert (requires the owner convention)."""
-        owners = self.slots_LWS[layer, :, : self.owner_slots_per_gpu]
-        rank_of = np.empty(self.num_experts, dtype=np.int64)
-        rank_of[owners.reshape(-1)] = np.repeat(np.arange(self.world_size), owners.shape[1])
-        return rank_of
+        return owner_rank_of(self.slots_LWS[layer], self.num_experts)
 
     def node_holds(self, layer: int) -> np.ndarray:
         """`[N, E]` bool: node n holds at least one copy of expert e."""
@@ -89,6 +86,14 @@ class Layout:
             "slots_per_gpu": int(self.slots_per_gpu),
             "layers": [{"slots": layer.tolist()} for layer in self.slots_LWS],
         }
+
+
+def owner_rank_of(slots_WS: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[E]` rank owning each expert of one layer `[W, S]` whose first E/W slots per rank are owner slots."""
+    owners = np.asarray(slots_WS)[:, : num_experts // slots_WS.shape[0]]
+    rank_of = np.empty(num_experts, dtype=np.int64)
+    rank_of[owners.reshape(-1)] = np.repeat(np.arange(slots_WS.shape[0]), owners.shape[1])
+    return rank_of
 
 
 def validate_layout(layout: Layout) -> None:

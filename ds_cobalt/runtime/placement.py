@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..planner.layout import owner_rank_of
+
 
 @dataclass(frozen=True)
 class LayerPlacement:
@@ -42,10 +44,7 @@ class LayerPlacement:
 
     def owner_rank_E(self) -> np.ndarray:
         """`[E]` EP rank owning each expert (first E/W slots of each rank are owner slots)."""
-        owners = self.slots_WS[:, : self.owner_slots_per_rank]
-        rank_of = np.empty(self.num_experts, dtype=np.int64)
-        rank_of[owners.reshape(-1)] = np.repeat(np.arange(self.world_size), owners.shape[1])
-        return rank_of
+        return owner_rank_of(self.slots_WS, self.num_experts)
 
 
 def build_placement(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int,
