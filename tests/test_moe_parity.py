@@ -5,6 +5,8 @@ Checks forward outputs, l_aux, exp_counts, the input gradient and every paramete
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -26,11 +28,12 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     expert = torch.nn.Sequential(torch.nn.Linear(D, 24), torch.nn.GELU(), torch.nn.Linear(24, D))
     torch.manual_seed(1 + rank)  # ranks hold different experts, as after DeepSpeed's init on each rank
-    kwargs = dict(ep_size=world, k=k, drop_tokens=drop, min_capacity=0, capacity_factor=case.get("cf", 1.0))
-    ref = DeepSpeedMoE(D, expert, E, **kwargs)
+    kwargs = dict(ep_size=world, k=k, drop_tokens=drop, min_capacity=0, capacity_factor=case.get("cf", 1.0),
+                  use_residual=case.get("residual", False), noisy_gate_policy=case.get("noise"))
+    ref = DeepSpeedMoE(D, copy.deepcopy(expert), E, **kwargs)  # use_residual keeps `expert` itself as mlp
     cfg = parse_cobalt_config({"topology": {"ranks_per_node": case.get("ranks_per_node", 2)},
                                "overlap": case.get("overlap", {})})
-    ours = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kwargs)
+    ours = ds_cobalt.MoE(D, copy.deepcopy(expert), E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     dtype = getattr(torch, case.get("dtype", "float32"))
     ref.to(dtype), ours.to(dtype)
@@ -44,12 +47,13 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(100 + rank)
     x = torch.randn(T, D).to(dtype)
     grad_out = torch.randn(T, D).to(dtype)
+    used = (torch.rand(T) > 0.3).float() if case.get("used_token") else None
     results = {}
     ours.trace_rows = []  # records the routed top-k ids (-1 = dropped)
     for name, layer in (("ref", ref), ("ours", layer_ := ours)):
         x_in = x.clone().requires_grad_(True)
         torch.manual_seed(7 + rank)  # same gate noise (RTS / second-expert sampling) for both
-        out, l_aux, counts = layer(x_in)
+        out, l_aux, counts = layer(x_in, used)
         ((out * grad_out).sum() + l_aux).backward()
         results[name] = {
             "out": out.detach(), "l_aux": l_aux.detach(), "counts": counts.clone(), "x_grad": x_in.grad,
@@ -76,6 +80,10 @@ CASES = {
     "four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1),
     "overlap_four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1,
                                     overlap={"enabled": True, "tile_rows": 4}),
+    # DeepSpeed's other options: residual MoE, noisy gates, a used-token mask (top-1)
+    "residual_moe": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], residual=True),
+    "rsample_noise_k1": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], noise="RSample"),
+    "jitter_used_token_k1": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], noise="Jitter", used_token=True),
     # bf16 experts: fp32 sums rounded once, like DeepSpeed's combine (bf16 tolerance)
     "bf16_k2_dropless": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16"),
     "overlap_bf16_k2": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16",
