@@ -107,3 +107,45 @@ def test_expert_data_parallel_groups_match_deepspeed(run_ranks, tmp_path) -> Non
     for rank, res in enumerate(results):
         np.testing.assert_allclose(res["cobalt"], res["deepspeed"], rtol=0, atol=1e-5, err_msg=f"rank {rank}")
         assert res["traffic"]["inter_node_rows"] > 0
+
+
+def _plain_deepspeed_initialize(rank: int, world: int) -> dict:
+    """ds_cobalt.MoE under plain deepspeed.initialize: node size from the launcher (LOCAL_WORLD_SIZE)."""
+    import deepspeed
+    import torch
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    import ds_cobalt
+
+    config = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+    out = {}
+    state = None
+    for impl, cls in (("deepspeed", DeepSpeedMoE), ("cobalt", ds_cobalt.MoE)):
+        model = _model(cls, seed=0)
+        state = state or {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"})
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        gen = torch.Generator().manual_seed(rank)
+        losses = []
+        for step in range(5):
+            x, y = torch.randn(16, D, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            torch.manual_seed(step * 10 + rank)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[impl] = losses
+        if impl == "cobalt":
+            out["nodes"] = ds_cobalt.cobalt_layers(engine)[0].topology.nodes
+    return out
+
+
+def test_plain_deepspeed_initialize_works(run_ranks) -> None:
+    results = run_ranks(_plain_deepspeed_initialize, 4, ranks_per_node=2, timeout=300)
+    for res in results:
+        np.testing.assert_allclose(res["cobalt"], res["deepspeed"], rtol=0, atol=1e-5)
+        assert res["nodes"] == 2  # from LOCAL_WORLD_SIZE=2, no cobalt section at all
