@@ -71,7 +71,7 @@ def ds_config(family: str, zero_stage: int = 1, cobalt: dict | None = None) -> d
     return config
 
 
-def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int) -> dict:
+def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace: str | None = None) -> dict:
     import deepspeed
     import torch
 
@@ -85,7 +85,10 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int) -> di
             model=model, model_parameters=model.parameters(), config=ds_config(family, zero_stage)
         )
     else:
-        config = ds_config(family, zero_stage, cobalt={"topology": {"ranks_per_node": 2}})
+        cobalt = {"topology": {"ranks_per_node": 2}}
+        if trace:
+            cobalt["trace"] = {"path": trace, "steps": 2}
+        config = ds_config(family, zero_stage, cobalt=cobalt)
         engine, *_ = ds_cobalt.initialize(model=model, model_parameters=model.parameters(), config=config)
         layers = ds_cobalt.cobalt_layers(engine)
         assert layers and all(isinstance(layer, CobaltAutoEPLayer) for layer in layers)
@@ -111,9 +114,9 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int) -> di
     return out
 
 
-def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]]) -> dict:
+def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]], trace_dir: str) -> dict:
     return {
-        (family, impl): _train(family, stage, impl, rank, steps)
+        (family, impl): _train(family, stage, impl, rank, steps, f"{trace_dir}/{family}.npz")
         for family, stage, steps in runs
         for impl in ("autoep", "cobalt")
     }
@@ -122,9 +125,16 @@ def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]]) -> dic
 RUNS = [("mixtral", 1, STEPS), ("qwen3_moe", 2, 8)]  # (preset, ZeRO stage, steps)
 
 
-def test_auto_ep_losses_match(run_ranks) -> None:
-    """Both presets in one 4-rank run (start-up dominates here): AutoEP vs AutoEP + cobalt."""
-    results = run_ranks(_parity_body, 4, RUNS, ranks_per_node=2, timeout=500)
+def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
+    """Both presets in one 4-rank run (start-up dominates here): AutoEP vs AutoEP + cobalt (recording a
+    routing trace of the first 2 steps)."""
+    from ds_cobalt.planner.trace import load_trace
+
+    results = run_ranks(_parity_body, 4, RUNS, str(tmp_path), ranks_per_node=2, timeout=500)
+    for family, _, _ in RUNS:
+        trace = load_trace(tmp_path / f"{family}.npz")
+        assert trace.experts_LTK.shape == (2, 4 * 2 * BATCH * SEQ, 2)
+        assert (trace.experts_LTK >= 0).all()
     for rank, res in enumerate(results):
         for family, _, steps in RUNS:
             ref, co = res[(family, "autoep")], res[(family, "cobalt")]
@@ -182,7 +192,7 @@ def test_model_without_preset_is_refused() -> None:
 
 @pytest.mark.parametrize("overrides,cobalt,match", [
     ({"score_apply": "pre"}, {}, r"score_apply='pre'.*supports only 'post'"),
-    ({}, {"trace": {"path": "t.npz"}}, r"cobalt.trace.path='t.npz' is not supported with AutoEP"),
+    ({}, {"overlap": {"enabled": True}}, r"cobalt.overlap.enabled=True is not supported with AutoEP"),
 ])  # fmt: skip
 def test_unsupported_settings_are_named(overrides: dict, cobalt: dict, match: str) -> None:
     from ds_cobalt.config import parse_cobalt_config

@@ -222,8 +222,7 @@ def adopt_auto_ep_layers(
             "(ZeRO-3 partitions the fused expert weights that ds_cobalt's slots compute with); "
             "use stage 0, 1 or 2"
         )
-    unsupported = {  # sections that need ds_cobalt.MoE internals (owner migration, overlapped runtime, trace)
-        "cobalt.trace.path": config.trace.path,
+    unsupported = {  # sections that need ds_cobalt.MoE internals (owner migration, overlapped runtime)
         "cobalt.planner.replan_interval": getattr(getattr(config, "planner", None), "replan_interval", 0),
         "cobalt.overlap.enabled": getattr(getattr(config, "overlap", None), "enabled", False),
     }

@@ -17,6 +17,11 @@ from ..planner.trace import Trace, save_trace as write_trace
 from .engine import cobalt_layers
 
 
+def _top_k(layer: torch.nn.Module) -> int:
+    """Routes per token: DeepSpeed MoE keeps it on its gate, AutoEP layers as `top_k`."""
+    return int(layer.top_k) if hasattr(layer, "top_k") else int(layer.deepspeed_moe.gate.k)
+
+
 def start_trace(model: torch.nn.Module) -> None:
     """Start (or restart) recording the routing of every ds_cobalt layer of `model`."""
     for layer in cobalt_layers(model):
@@ -36,7 +41,7 @@ def save_trace(model: torch.nn.Module, path: str | Path) -> Path | None:
     forwards = {len(layer.trace_rows) for layer in layers}
     if len(forwards) != 1:
         raise RuntimeError(f"save_trace: layers recorded different numbers of forwards {sorted(forwards)}")
-    K = max(layer.deepspeed_moe.gate.k for layer in layers)
+    K = max(_top_k(layer) for layer in layers)
     per_forward = []  # [(L, T_f, K) ids] of this rank
     for step_rows in zip(*(layer.trace_rows for layer in layers)):
         T = step_rows[0].shape[0]
