@@ -43,12 +43,13 @@ class PlannerConfig(_Section):
     """Online stage-1 replanning: every `replan_interval` optimizer steps (0 = off) plan a layout with
     `policy` from the routing statistics of the last interval (summed over ranks; each rank contributes at
     most `sample_tokens` recent top-k rows per layer), in a background thread on rank 0; apply it
-    `apply_lag` steps later (0 = right away), on every rank, when the migration cost model says it pays."""
+    `apply_lag` steps later (0 = right away; default min(5, replan_interval), so a plan that takes a few
+    steps does not stall training), on every rank, when the migration cost model says it pays."""
 
     replan_interval: int = Field(default=0, ge=0)
     policy: str = "cobalt"
     redundant_slots: int = Field(default=0, ge=0)
-    apply_lag: int = Field(default=1, ge=0)
+    apply_lag: int | None = Field(default=None, ge=0)
     sample_tokens: int = Field(default=1024, ge=0)
     seed: int = 0
 
@@ -63,9 +64,13 @@ class PlannerConfig(_Section):
 
     @model_validator(mode="after")
     def _lag_within_interval(self) -> "PlannerConfig":
-        if self.replan_interval and self.apply_lag > self.replan_interval:
+        if self.replan_interval and self.apply_lag is not None and self.apply_lag > self.replan_interval:
             raise ValueError(f"apply_lag={self.apply_lag} exceeds replan_interval={self.replan_interval}")
         return self
+
+    @property
+    def effective_apply_lag(self) -> int:
+        return min(5, self.replan_interval) if self.apply_lag is None else self.apply_lag
 
 
 class MigrationConfig(_Section):

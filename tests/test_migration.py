@@ -381,9 +381,10 @@ def test_planner_config_validation() -> None:
 
     cfg = parse_cobalt_config({"planner": {"replan_interval": 10, "policy": "eplb", "redundant_slots": 1},
                                "migration": {"margin": 2.0}})
-    assert cfg.planner.replan_interval == 10 and cfg.planner.apply_lag == 1 and cfg.migration.margin == 2.0
+    assert cfg.planner.replan_interval == 10 and cfg.planner.effective_apply_lag == 5 and cfg.migration.margin == 2.0
     with pytest.raises(ValueError, match=r"cobalt\.planner\.policy: .*unknown policy 'nope'"):
         parse_cobalt_config({"planner": {"policy": "nope"}})
+    assert parse_cobalt_config({"planner": {"replan_interval": 2}}).planner.effective_apply_lag == 2
     with pytest.raises(ValueError, match=r"apply_lag=5 exceeds replan_interval=2"):
         parse_cobalt_config({"planner": {"replan_interval": 2, "apply_lag": 5}})
     with pytest.raises(ValueError, match=r"cobalt\.migration\.speed: unknown key"):

@@ -146,7 +146,7 @@ class Replanner:
             self._apply(engine)
         if step % self._interval == 0:
             self._start(engine, step)
-            if self.cfg.apply_lag == 0:
+            if self.cfg.effective_apply_lag == 0:
                 self._apply(engine)
 
     # ----- statistics and planning -----
@@ -186,7 +186,7 @@ class Replanner:
 
     def _start(self, engine: Any, step: int) -> None:
         stats = self._gather()
-        self._apply_at = step + self.cfg.apply_lag
+        self._apply_at = step + self.cfg.effective_apply_lag
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         currents = [layer.layout_slots.copy() for layer in self.layers]
