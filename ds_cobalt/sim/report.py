@@ -28,6 +28,12 @@ from ..planner.trace import Trace, load_trace
 __all__ = ["find_inputs", "render_report"]
 
 
+
+def _save(fig, path, dpi: int = 100) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+
 def find_inputs(run_dir: str | Path) -> dict:
     """`{"metrics": {variant: dict}, "links": {variant: dict}, "trace": path|None, "layouts": {name: path},
     "changes": path|None}`."""
@@ -93,9 +99,7 @@ def _plot_training(metrics: dict[str, dict], links: dict[str, dict], path: Path)
     ax1.set_ylabel("MiB per step")
     ax1.set_title("cross-node bytes per step (metrics hold run totals)")
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _plot_placement(trace: Trace, layouts: dict[str, Layout], path: Path, layer: int = 0) -> list[dict]:
@@ -132,9 +136,7 @@ def _plot_placement(trace: Trace, layouts: dict[str, Layout], path: Path, layer:
         ax.set_xlabel("global rank (colour = node)")
         ax.set_ylabel("(token, expert) pairs")
         summary.append({"layout": name, "coact_inside_node": float(inside), "gpu_load_max_over_mean": mom})
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path, dpi=90)
     return summary
 
 
@@ -165,9 +167,7 @@ def _plot_changes(changes: list[dict], path: Path) -> None:
     ax.set_ylabel("experts moved")
     ax.set_title("layout changes (migrations)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def render_report(run_dir: str | Path, out_dir: str | Path | None = None, layer: int = 0) -> Path:
