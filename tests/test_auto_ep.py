@@ -71,26 +71,82 @@ def ds_config(family: str, zero_stage: int = 1, cobalt: dict | None = None) -> d
     return config
 
 
-def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace: str | None = None) -> dict:
+MIGRATING = {  # replanning with replicas, forced random owner migrations, the overlapped schedule
+    "topology": {"ranks_per_node": 2},
+    "planner": {"replan_interval": 5, "redundant_slots": 1, "apply_lag": 1},
+    "migration": {"ignore_cost_model": True},
+    "overlap": {"enabled": True, "tile_rows": 16},
+}
+RANDOM_MIGRATIONS = (3, 9, 15)  # steps before which every rank migrates to the same random owner layout
+AFTER_SAVE = 3  # steps trained after a checkpoint, then replayed by plain AutoEP from that checkpoint
+
+
+def _engine(family: str, zero_stage: int, cobalt: dict | None):
     import deepspeed
-    import torch
 
     import ds_cobalt
+
+    model = tiny_model(family)
+    config = ds_config(family, zero_stage, cobalt=cobalt)
+    init = deepspeed.initialize if cobalt is None else ds_cobalt.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _data(rank: int) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(3)]
+
+
+def _steps(engine, data: list, steps: range, before_step=None) -> list[float]:
+    losses = []
+    for step in steps:
+        if before_step is not None:
+            before_step(engine, step)
+        ids = data[step % 3]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _random_migrations(engine, step: int) -> None:
+    from ds_cobalt.integrations.migration import migrate
+
+    if step in RANDOM_MIGRATIONS:
+        rng = np.random.default_rng(step)
+        layers = ds_cobalt_layers(engine)
+        layouts = [rng.permutation(layer.num_experts).reshape(4, -1) for layer in layers]
+        migrate(engine, layouts, reason="test", asynchronous=step % 2 == 1)
+
+
+def ds_cobalt_layers(engine) -> list:
+    import ds_cobalt
+
+    return ds_cobalt.cobalt_layers(engine)
+
+
+def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace: str | None = None,
+           checkpoint: str | None = None) -> dict:
+    """impl: "autoep" (plain), "cobalt" (dispatcher only, records a trace), "migrating" (MIGRATING, random
+    migrations, then a checkpoint in the migrated layout, two steps off course, a module-only reload with the
+    portable optimizer state, and AFTER_SAVE more steps)."""
     from ds_cobalt.integrations.auto_ep import CobaltAutoEPLayer
 
     out: dict = {}
-    model = tiny_model(family)
-    if impl == "autoep":
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config(family, zero_stage)
-        )
-    else:
+    cobalt = None
+    if impl == "cobalt":
         cobalt = {"topology": {"ranks_per_node": 2}}
         if trace:
             cobalt["trace"] = {"path": trace, "steps": 2}
-        config = ds_config(family, zero_stage, cobalt=cobalt)
-        engine, *_ = ds_cobalt.initialize(model=model, model_parameters=model.parameters(), config=config)
-        layers = ds_cobalt.cobalt_layers(engine)
+    elif impl == "migrating":
+        cobalt = MIGRATING
+    engine = _engine(family, zero_stage, cobalt)
+    if cobalt is not None:
+        layers = ds_cobalt_layers(engine)
         assert layers and all(isinstance(layer, CobaltAutoEPLayer) for layer in layers)
         out["layers"] = len(layers)
         out["topology"] = [(t.nodes, t.node, t.local_rank) for t in (layers[0].topology,)]
@@ -98,56 +154,88 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         name: (tuple(p.shape), getattr(p, "group_name", None), getattr(p, "allreduce", None))
         for name, p in engine.module.named_parameters()
     }
-    gen = torch.Generator().manual_seed(1000 + rank)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(3)]
-    losses = []
-    for step in range(steps):
-        ids = data[step % 3]
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    out["losses"] = losses
-    if impl == "cobalt":
+    data = _data(rank)
+    hook = _random_migrations if impl == "migrating" else None
+    out["losses"] = _steps(engine, data, range(steps), hook)
+    if cobalt is not None:
+        import ds_cobalt
+
         out["traffic"] = ds_cobalt.traffic_summary(engine)
-        out["load"] = [float(layer.stats.load_E.sum()) for layer in ds_cobalt.cobalt_layers(engine)]
+        out["load"] = [float(layer.stats.load_E.sum()) for layer in ds_cobalt_layers(engine)]
+    if impl == "migrating":
+        from ds_cobalt.integrations.migration import flush_pending
+
+        flush_pending(engine)
+        reports = getattr(engine, "cobalt_migrations", [])
+        out["migrations"] = [(r.reason, r.ok, len(r.moved)) for r in reports]
+        out["layouts"] = [layer.layout_slots.tolist() for layer in ds_cobalt_layers(engine)]
+        engine.save_checkpoint(checkpoint, tag="t")
+        _steps(engine, data[::-1], range(2))  # moves weights and optimizer state away from the checkpoint
+        # weights from DeepSpeed's files, optimizer state from ds_cobalt's portable state (fused rows by expert)
+        engine.load_checkpoint(checkpoint, tag="t", load_module_only=True)
+        out["after_save"] = _steps(engine, data, range(steps, steps + AFTER_SAVE))
     return out
 
 
-def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]], trace_dir: str) -> dict:
-    return {
-        (family, impl): _train(family, stage, impl, rank, steps, f"{trace_dir}/{family}.npz")
-        for family, stage, steps in runs
-        for impl in ("autoep", "cobalt")
-    }
+def _resume_plain(family: str, zero_stage: int, rank: int, steps: int, checkpoint: str) -> list[float]:
+    engine = _engine(family, zero_stage, None)
+    path, _ = engine.load_checkpoint(checkpoint, tag="t")
+    assert path is not None
+    return _steps(engine, _data(rank), range(steps, steps + AFTER_SAVE))
 
 
-RUNS = [("mixtral", 1, STEPS), ("qwen3_moe", 2, 8)]  # (preset, ZeRO stage, steps)
+def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]], tmp: str) -> dict:
+    out = {}
+    for family, stage, steps in runs:
+        for impl in ("autoep", "cobalt", "migrating"):
+            out[(family, impl)] = _train(family, stage, impl, rank, steps, f"{tmp}/{family}.npz",
+                                         f"{tmp}/ckpt-{family}")
+        out[(family, "resumed")] = _resume_plain(family, stage, rank, steps, f"{tmp}/ckpt-{family}")
+    return out
+
+
+RUNS = [("mixtral", 1, STEPS), ("qwen3_moe", 2, 16)]  # (preset, ZeRO stage, steps)
 
 
 def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
-    """Both presets in one 4-rank run (start-up dominates here): AutoEP vs AutoEP + cobalt (recording a
-    routing trace of the first 2 steps)."""
+    """Both presets in one 4-rank run (start-up dominates here), each: plain AutoEP; AutoEP + cobalt (recording
+    a routing trace of the first 2 steps); AutoEP + cobalt with replanning, replicas, random owner migrations
+    and overlap, saving a checkpoint in its migrated layout that plain AutoEP then resumes from."""
     from ds_cobalt.planner.trace import load_trace
 
-    results = run_ranks(_parity_body, 4, RUNS, str(tmp_path), ranks_per_node=2, timeout=500)
+    results = run_ranks(_parity_body, 4, RUNS, str(tmp_path), ranks_per_node=2, timeout=600)
     for family, _, _ in RUNS:
         trace = load_trace(tmp_path / f"{family}.npz")
         assert trace.experts_LTK.shape == (2, 4 * 2 * BATCH * SEQ, 2)
         assert (trace.experts_LTK >= 0).all()
     for rank, res in enumerate(results):
         for family, _, steps in RUNS:
-            ref, co = res[(family, "autoep")], res[(family, "cobalt")]
-            assert co["layers"] == 2 and co["topology"] == [(2, rank // 2, rank % 2)]
-            assert co["params"] == ref["params"]  # names, shapes and DeepSpeed's MoE tags unchanged
-            np.testing.assert_allclose(
-                co["losses"], ref["losses"], rtol=0, atol=1e-5, err_msg=f"{family} rank {rank}"
-            )
+            ref = res[(family, "autoep")]
+            for impl in ("cobalt", "migrating"):
+                co = res[(family, impl)]
+                assert co["layers"] == 2 and co["topology"] == [(2, rank // 2, rank % 2)]
+                assert co["params"] == ref["params"]  # names, shapes and DeepSpeed's MoE tags unchanged
+                np.testing.assert_allclose(
+                    co["losses"], ref["losses"], rtol=0, atol=1e-5, err_msg=f"{family} {impl} rank {rank}"
+                )
+                t = co["traffic"]
+                assert t["steps"] == steps and t["deepspeed_inter_node_bytes_padded"] == 0
+                assert 0 < t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_dropless"], t
+            # every (token, top-2 expert) once per layer (the replanner resets the statistics it reads)
+            assert res[(family, "cobalt")]["load"] == [steps * BATCH * SEQ * 2] * 2
             assert np.mean(ref["losses"][-3:]) < np.mean(ref["losses"][:3])  # it trained
-            t = co["traffic"]
-            assert t["steps"] == steps and t["deepspeed_inter_node_bytes_padded"] == 0
-            assert 0 < t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_dropless"], t
-            assert co["load"] == [steps * BATCH * SEQ * 2] * 2  # every (token, top-2 expert) once per layer
+            mig = res[(family, "migrating")]
+            forced = [m for m in mig["migrations"] if m[0] == "test"]
+            assert len(forced) == len(RANDOM_MIGRATIONS) and all(ok and moved > 0 for _, ok, moved in forced)
+            assert all(ok for _, ok, _ in mig["migrations"]), mig["migrations"]
+            contiguous = np.arange(8).reshape(4, 2)
+            assert any(not np.array_equal(np.asarray(s)[:, :2], contiguous) for s in mig["layouts"])
+            assert any(np.asarray(s).shape[1] == 3 for s in mig["layouts"])  # the replanner added replicas
+            # plain AutoEP resumes from the checkpoint saved in the migrated layout: same next losses
+            np.testing.assert_allclose(res[(family, "resumed")], mig["after_save"], rtol=0, atol=1e-5,
+                                       err_msg=f"{family} resume rank {rank}")
+        assert all(np.array_equal(r[("mixtral", "migrating")]["layouts"], res[("mixtral", "migrating")]["layouts"])
+                   for r in results)
 
 
 # ------------------------------------------------------------------ errors (single process, no process group)
@@ -192,7 +280,6 @@ def test_model_without_preset_is_refused() -> None:
 
 @pytest.mark.parametrize("overrides,cobalt,match", [
     ({"score_apply": "pre"}, {}, r"score_apply='pre'.*supports only 'post'"),
-    ({}, {"overlap": {"enabled": True}}, r"cobalt.overlap.enabled=True is not supported with AutoEP"),
 ])  # fmt: skip
 def test_unsupported_settings_are_named(overrides: dict, cobalt: dict, match: str) -> None:
     from ds_cobalt.config import parse_cobalt_config

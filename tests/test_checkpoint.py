@@ -72,7 +72,8 @@ def _full_state(engine) -> dict:
     from ds_cobalt.integrations.migration import ExpertStateIO
     from ds_cobalt.integrations.portable import _group_steps, _keyed_parameters
 
-    rows = {key: ExpertStateIO(engine, p).read([p]).numpy().copy() for key, p, _ in _keyed_parameters(engine)}
+    rows = {key: ExpertStateIO(engine, piece[0]).read([piece]).numpy().copy()
+            for key, piece, _ in _keyed_parameters(engine)}
     return {"rows": rows, "group_steps": _group_steps(engine)}
 
 

@@ -136,11 +136,11 @@ def logical_expert_state(engine) -> dict[tuple[int, int], dict[str, np.ndarray]]
     out = {}
     for li, layer in enumerate(cobalt_layers(engine)):
         rank = layer.topology.rank
-        for slot, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
-            params = list(expert.parameters())
-            io = ExpertStateIO(engine, params[0])
+        for slot in range(layer.num_local_experts):
+            pieces = layer.expert_state_pieces(slot)
+            io = ExpertStateIO(engine, pieces[0][0])
             e = int(layer.layout_slots[rank, slot])
-            out[(li, e)] = {"fields": io.fields, "row": io.read(params).numpy().copy()}
+            out[(li, e)] = {"fields": io.fields, "row": io.read(pieces).numpy().copy()}
     return out
 
 

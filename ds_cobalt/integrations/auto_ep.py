@@ -5,6 +5,9 @@ model's MoE blocks by `AutoEPMoELayer`s inside `deepspeed.initialize`; `adopt_au
 each into a `CobaltAutoEPLayer` in place (a class change: same parameter objects, names, shapes and
 DeepSpeed tags, so optimizer groups, ZeRO-1/2 partitions and checkpoints are unaffected). The router, the
 shared experts and the output contract stay AutoEP's; only dispatch, expert compute and combine change.
+Everything `ds_cobalt.MoE` does works here too: replica slots, re-planning and owner migration (one row of
+each fused tensor, with its optimizer state, per expert: `expert_state_pieces`), logical-order and
+portable checkpoints, the overlapped schedule, traces and traffic counters.
 
 Legend: T tokens on this rank, K routes per token, D hidden size, Q rows received, F expert FFN size,
 S slots per rank, W ranks of the expert-parallel group.
@@ -12,7 +15,6 @@ S slots per rank, W ranks of the expert-parallel group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,16 +26,15 @@ from deepspeed.moe.ep_experts import apply_expert_activation
 
 from ..config import CobaltConfig
 from ..planner.layout import contiguous_layout
-from ..runtime.dispatch import combine, dispatch
-from ..runtime.experts import run_experts
+from ..runtime.moe_exchange import moe_exchange, slot_experts
 from ..runtime.placement import LayerPlacement, build_placement
-from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
+from ..runtime.replicas import ReplicaPlan, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
+from ..runtime.tile_tuner import TileTuner
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
 from .engine import register_layer_type
-
-ExpertFn = Callable[[torch.Tensor], torch.Tensor]
+from .expert_state import Piece
 
 
 class CobaltAutoEPLayer(AutoEPMoELayer):
@@ -70,6 +71,11 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         layer.trace_rows = None
         layer._groups = groups
         layer._replica_plan = None
+        layer.tile_tuner = TileTuner()
+        experts = layer.experts
+        # not a submodule (no parameters, not in state dicts): bound to weight rows at each call
+        object.__setattr__(layer, "_expert_module", FusedExpertMLP(
+            experts.activation, experts.activation_alpha, experts.activation_limit))
         topo = groups.topology
         layer._install_layout(contiguous_layout(layer.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
         return layer
@@ -85,26 +91,37 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         return self._placement.slots_WS
 
     def set_layout(self, slots_WS: np.ndarray) -> None:
-        """Use a new layout (e.g. with replica slots). Owner slots must stay as they are."""
+        """Use a new layout (e.g. with replica slots). Owner slots must stay as they are (moving owners is
+        migration: `ds_cobalt.integrations.migration.migrate`)."""
         topo = self._groups.topology
         slots_WS = np.asarray(slots_WS, dtype=np.int64)
         if slots_WS.ndim != 2 or slots_WS.shape[0] != topo.world_size:
             raise ValueError(f"layout slots must be [{topo.world_size}, S], got {list(slots_WS.shape)}")
         per_rank = self.num_local_experts
         if not np.array_equal(slots_WS[:, :per_rank], self._placement.slots_WS[:, :per_rank]):
-            raise ValueError(
-                "set_layout: owner slots differ from the current layout; AutoEP layers cannot migrate "
-                "experts (their owners are fixed by AutoEP's contiguous placement)"
-            )
+            raise ValueError("set_layout: owner slots differ from the current layout; moving owners needs migration")
         self._install_layout(slots_WS)
 
     def _install_layout(self, slots_WS: np.ndarray) -> None:
+        """Switch lookup tables to `slots_WS`; the caller guarantees the fused weights' rows match it."""
         topo = self._groups.topology
         self._placement = build_placement(
             slots_WS, topo.ranks_per_node, self.num_experts, self.router.gate.weight.device
         )
-        has_replicas = self._placement.slots_per_rank > self.num_local_experts
-        self._replica_plan = plan_replicas(self._placement, topo.rank) if has_replicas else None
+        self._replica_plan = plan_replicas(self._placement, topo.rank)
+
+    def _require_groups(self) -> EPGroups:
+        return self._groups
+
+    # ----- migration (integrations/migration.py) ---------------------------------------------------
+    def expert_state_pieces(self, slot: int) -> list[Piece]:
+        """The expert in owner slot `slot`: row `slot` of each fused tensor."""
+        experts = self.experts
+        return [(experts.w1, slot), (experts.w2, slot), (experts.w3, slot)]
+
+    @property
+    def model_dim(self) -> int:
+        return int(self.router.gate.weight.shape[1])
 
     # ----- forward ---------------------------------------------------------------------------------
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -119,45 +136,42 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
             self.trace_rows.append(topk_ids_TK.detach().cpu())
 
         groups = self._groups
-        backend = self.cobalt_config.kernels.backend
-        rows_QD, handle = dispatch(
-            x_TD, topk_ids_TK, ro.top_scores, self._placement, groups, deepspeed_capacity=0, backend=backend
-        )
-        slot_fns, anchor = self._slot_functions(groups)
-        out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts, slot_fns)
-        output = combine(out_QD, handle, groups).reshape(bsz, seqlen, hdim)
+        experts = self.experts
+        owner = [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)]
+        slots, anchor = slot_experts(self._expert_module, _FUSED_NAMES, owner, self._placement, self._replica_plan,
+                                     groups)
+        overlap = self.cobalt_config.overlap
+        output, traffic = moe_exchange(x_TD, topk_ids_TK, ro.top_scores, self._placement, groups, slots,
+                                       overlap=overlap.enabled, tile_rows=overlap.tile_rows, tuner=self.tile_tuner,
+                                       deepspeed_capacity=0, backend=self.cobalt_config.kernels.backend)
+        output = output.reshape(bsz, seqlen, hdim)
         if anchor is not None:
             output = output + anchor
-        self.traffic.add(handle.traffic)
+        self.traffic.add(traffic)
         return self._finalize_output(output, x_TD, hidden_states, hdim)
 
-    def _slot_functions(self, groups: EPGroups) -> tuple[list[ExpertFn | None], torch.Tensor | None]:
-        """One callable per slot of this rank: owner experts (views of the fused weights), then replicas."""
-        experts = self.experts
-        act = (experts.activation, experts.activation_alpha, experts.activation_limit)
-        owner = [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)]
-        slot_fns: list[ExpertFn | None] = [_expert_fn(w, act) for w in owner]
-        if self._replica_plan is None:
-            return slot_fns, None
-        fetched, anchor = fetch_replicas([list(w) for w in owner], self._replica_plan, groups)
-        for slot in range(self.num_local_experts, self._placement.slots_per_rank):
-            params = fetched.get(slot)
-            slot_fns.append(None if params is None else _expert_fn(tuple(params), act))
-        return slot_fns, anchor
+
+_FUSED_NAMES = ("w1", "w2", "w3")
 
 
-def _expert_fn(weights: tuple[torch.Tensor, ...], act: tuple[str, float, float]) -> ExpertFn:
-    """AutoEP's expert MLP for one expert: `w2 @ act(w1 @ x, w3 @ x)`; w1, w3 `[F, D]`, w2 `[D, F]`."""
-    w1, w2, w3 = weights
+class FusedExpertMLP(torch.nn.Module):
+    """AutoEP's expert MLP for one expert, `w2 @ act(w1 @ x, w3 @ x)` (w1, w3 `[F, D]`, w2 `[D, F]`), applied
+    with `torch.func.functional_call` to one row of each fused tensor (or a fetched replica)."""
 
-    def fn(rows_QD: torch.Tensor) -> torch.Tensor:
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+
+    def __init__(self, activation: str, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.act = (activation, alpha, limit)
+
+    def forward(self, rows_QD: torch.Tensor) -> torch.Tensor:
         dtype = rows_QD.dtype
-        gate = rows_QD @ w1.to(dtype).t()
-        up = rows_QD @ w3.to(dtype).t()
+        gate = rows_QD @ self.w1.to(dtype).t()
+        up = rows_QD @ self.w3.to(dtype).t()
         # fused=False: the plain-torch form (AutoEP's reference path), also on CPU
-        return apply_expert_activation(gate, up, *act, fused=False) @ w2.to(dtype).t()
-
-    return fn
+        return apply_expert_activation(gate, up, *self.act, fused=False) @ self.w2.to(dtype).t()
 
 
 def _check_supported(layer: AutoEPMoELayer) -> None:
@@ -222,13 +236,6 @@ def adopt_auto_ep_layers(
             "(ZeRO-3 partitions the fused expert weights that ds_cobalt's slots compute with); "
             "use stage 0, 1 or 2"
         )
-    unsupported = {  # sections that need ds_cobalt.MoE internals (owner migration, overlapped runtime)
-        "cobalt.planner.replan_interval": getattr(getattr(config, "planner", None), "replan_interval", 0),
-        "cobalt.overlap.enabled": getattr(getattr(config, "overlap", None), "enabled", False),
-    }
-    for key, value in unsupported.items():
-        if value:
-            raise ValueError(f"ds_cobalt: {key}={value!r} is not supported with AutoEP layers yet; remove it")
     for layer in layers:  # every check before the first collective, so all ranks fail alike
         _check_supported(layer)
     adopted = []

@@ -28,20 +28,19 @@ import numpy as np
 from deepspeed.utils import logger
 
 from ..planner.layout import contiguous_layout
-from .deepspeed_moe import MoE
-from .migration import migrate, moe_layers, relink_optimizer_state
+from .migration import migratable_layers, migrate, relink_optimizer_state
 from .portable import has_portable_state, load_portable_state, save_portable_state
 
 CLIENT_KEY = "ds_cobalt"
 FORMAT = "ds-cobalt/checkpoint-v1"
 
 
-def _contiguous(layer: MoE) -> np.ndarray:
+def _contiguous(layer: Any) -> np.ndarray:
     topo = layer.topology
     return contiguous_layout(layer.num_experts, topo.nodes, topo.ranks_per_node).layer(0)
 
 
-def _owners_contiguous(layer: MoE) -> bool:
+def _owners_contiguous(layer: Any) -> bool:
     P = layer.num_local_experts
     return np.array_equal(layer.layout_slots[:, :P], _contiguous(layer))
 
@@ -80,7 +79,7 @@ def _latest_tag(load_dir: str) -> str:
         return f.read().strip()
 
 
-def layout_metadata(layers: list[MoE]) -> dict:
+def layout_metadata(layers: list[Any]) -> dict:
     topo = layers[0].topology
     return {"format": FORMAT, "ep_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
             "num_experts": layers[0].num_experts, "layouts": [layer.layout_slots.tolist() for layer in layers]}
@@ -88,7 +87,7 @@ def layout_metadata(layers: list[MoE]) -> dict:
 
 def save_logical(engine: Any, save: Any, save_dir: str, tag: Any, client_state: dict | None,
                  *args: Any, **kwargs: Any) -> Any:
-    layers = moe_layers(engine)
+    layers = migratable_layers(engine)
     state = dict(client_state or {})
     if not layers:
         return save(save_dir, tag, state, *args, **kwargs)
@@ -112,7 +111,7 @@ def save_logical(engine: Any, save: Any, save_dir: str, tag: Any, client_state: 
 
 
 def load_logical(engine: Any, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-    layers = moe_layers(engine)
+    layers = migratable_layers(engine)
     before = [layer.layout_slots.copy() for layer in layers]
     for layer in layers:  # DeepSpeed loads expert files into owner modules in contiguous order
         layer._install_layout(_contiguous(layer))

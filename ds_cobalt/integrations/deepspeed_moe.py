@@ -13,19 +13,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
-from torch.func import functional_call
 
 from ..config import CobaltConfig
 from ..planner.layout import contiguous_layout
-from ..runtime.dispatch import combine, dispatch
-from ..runtime.experts import run_experts
-from ..runtime.overlap import SlotExpert, overlapped_moe
+from ..runtime.moe_exchange import moe_exchange, slot_experts
+from ..runtime.overlap import SlotExpert
 from ..runtime.placement import LayerPlacement, build_placement
-from ..runtime.replicas import ReplicaPlan, fetch_replicas, plan_replicas
+from ..runtime.replicas import ReplicaPlan, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
 from ..runtime.tile_tuner import TileTuner
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
+from .expert_state import Piece
 
 
 class MoE(DeepSpeedMoE):
@@ -133,21 +132,10 @@ class MoE(DeepSpeedMoE):
             self.trace_rows.append(topk_ids_TK.detach().cpu())
 
         slots, anchor = self._slot_experts(groups)
-        if self.cobalt_config.overlap.enabled:
-            tile_rows = self.cobalt_config.overlap.tile_rows
-            timing = None
-            if tile_rows == "auto":
-                tile_rows = self.tile_tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
-                timing = self.tile_tuner.start(x_TD.device)
-            output, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
-                                             tile_rows, int(capacity), self.cobalt_config.kernels.backend)
-            self.tile_tuner.record(timing, x_TD.device, groups)
-        else:
-            rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups,
+        overlap = self.cobalt_config.overlap
+        output, traffic = moe_exchange(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
+                                       overlap=overlap.enabled, tile_rows=overlap.tile_rows, tuner=self.tile_tuner,
                                        deepspeed_capacity=int(capacity), backend=self.cobalt_config.kernels.backend)
-            out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
-                                 [None if slot is None else _bind(slot) for slot in slots])
-            output, traffic = combine(out_QD, handle, groups), handle.traffic
         output = output.reshape(hidden_states.shape)
         if anchor is not None:
             output = output + anchor
@@ -165,18 +153,14 @@ class MoE(DeepSpeedMoE):
         """The expert of each slot of this rank: owner experts, then replicas with fetched weights."""
         experts = list(self.deepspeed_moe.experts.deepspeed_experts)
         names = tuple(name for name, _ in experts[0].named_parameters())
-        owner_params = [tuple(p for _, p in expert.named_parameters()) for expert in experts]
-        slots: list[SlotExpert | None] = [SlotExpert(e, names, ps) for e, ps in zip(experts, owner_params)]
-        plan = self._replica_plan
-        if plan is None or self._placement.slots_per_rank == self.num_local_experts:
-            return slots, None
-        fetched, anchor = fetch_replicas(owner_params, plan, groups)
-        for slot in range(self.num_local_experts, self._placement.slots_per_rank):
-            params = fetched.get(slot)
-            slots.append(None if params is None else SlotExpert(experts[0], names, tuple(params)))
-        return slots, anchor
+        owner = [tuple(p for _, p in expert.named_parameters()) for expert in experts]
+        return slot_experts(experts[0], names, owner, self._placement, self._replica_plan, groups)
 
+    # ----- migration (integrations/migration.py) ------------------------------------------------------
+    def expert_state_pieces(self, slot: int) -> list[Piece]:
+        """The parameters of the expert in owner slot `slot` (whole parameters)."""
+        return [(p, None) for p in self.deepspeed_moe.experts.deepspeed_experts[slot].parameters()]
 
-def _bind(slot: SlotExpert):
-    params = dict(zip(slot.names, slot.tensors))
-    return lambda rows: functional_call(slot.module, params, (rows,))
+    @property
+    def model_dim(self) -> int:
+        return int(self.deepspeed_moe.gate.wg.weight.shape[1])

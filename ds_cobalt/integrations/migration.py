@@ -28,15 +28,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from deepspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
-from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+from deepspeed.utils import logger
 
 from ..runtime.comm import all_to_all_rows
 from ..runtime.placement import build_placement
-from .deepspeed_moe import MoE
+from .expert_state import ExpertStateIO, Piece, relink_optimizer_state
 
 __all__ = ["OwnerMoves", "MigrationReport", "PendingMigration", "plan_owner_moves", "migrate", "flush_pending",
-           "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "moe_layers"]
+           "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "migratable_layers", "moe_layers"]
 
 # fault_hook(stage, layer_index) is called on every rank at "pack" (rows read), "transfer" (before the
 # all-to-all) and "stage" (rows received); raising there simulates a failure on that rank.
@@ -99,124 +98,6 @@ def plan_owner_moves(old_WS: np.ndarray, new_WS: np.ndarray, per_rank: int, rank
     return OwnerMoves(tuple(send_slot), tuple(send_splits), tuple(recv_slot), tuple(recv_splits), moved)
 
 
-# -------------------------------------------------------------------------------- optimizer state I/O
-def relink_optimizer_state(optimizer: Any) -> bool:
-    """Re-link ZeRO-1/2's per-parameter optimizer-state fragments (DESIGN.md pitfall).
-
-    DeepSpeed 0.19.8 links the fragments once, right after the first param group's first step, so
-    groups stepped later (the expert groups) keep an empty link, and a `load_state_dict` replaces the
-    state tensors behind the links. Re-linking reads `optimizer.state` afresh. Returns True when the
-    optimizer has such links (private attributes, pinned by tests/test_migration.py).
-    """
-    if not (hasattr(optimizer, "_hp_optimizer_states_linked")
-            and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state")):
-        return False
-    optimizer._hp_optimizer_states_linked = False
-    optimizer._lazy_init_hp_params_optimizer_state()
-    return True
-
-
-class ExpertStateIO:
-    """Reads/writes the full training state of expert parameters as flat fp32 pieces.
-
-    `fields` are identical on every rank (they depend on the optimizer and on whether it has stepped):
-    `weight`, `fp32` (master copy, when distinct from the weight), the moment keys, and `step` (one value,
-    only where the optimizer keeps a step per parameter).
-    """
-
-    def __init__(self, engine: Any, reference: torch.nn.Parameter) -> None:
-        opt = engine.optimizer
-        self.optimizer = opt
-        self.has_step = False
-        if hasattr(reference, "_hp_mapping"):
-            self.mode = "fragment"  # ZeRO-1/2, DeepSpeed's bf16 optimizer
-            relink_optimizer_state(opt)
-            # Keys from the flat partitions' state (every rank holds some), not from this parameter's
-            # fragment, which is absent on ranks whose partition does not cover it.
-            inner = getattr(opt, "optimizer", opt)
-            self.moment_keys = sorted({k for st in inner.state.values() for k, v in st.items()
-                                       if torch.is_tensor(v) and v.dim() > 0})
-            self.fields = ["weight", "fp32", *self.moment_keys]
-            return
-        if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):
-            self.mode = "unfused"  # fp16/bf16 without ZeRO: one fp32 copy per parameter
-            self._master = {id(lp): hp for lps, hps in zip(opt.fp16_groups, opt.fp32_groups)
-                            for lp, hp in zip(lps, hps)}
-            self._state = opt.optimizer.state
-            master = self._master[id(reference)]
-            fields = ["weight", "fp32"]
-        elif isinstance(opt, torch.optim.Optimizer):
-            self.mode = "torch"  # fp32 without ZeRO: the model parameter is the master copy
-            self._master = None
-            self._state = opt.state
-            master = reference
-            fields = ["weight"]
-        else:
-            raise TypeError(f"ds_cobalt migration: unsupported optimizer {type(opt).__name__}")
-        state = self._state.get(master, {})
-        self.moment_keys = sorted(k for k, v in state.items()
-                                  if torch.is_tensor(v) and v.shape == master.shape and k != "step")
-        self.has_step = "step" in state
-        self.fields = fields + self.moment_keys + (["step"] if self.has_step else [])
-
-    def row_size(self, params: Sequence[torch.nn.Parameter]) -> int:
-        return sum(1 if f == "step" else p.numel() for p in params for f in self.fields)
-
-    def _master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return p if self._master is None else self._master[id(p)]
-
-    def read(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-        """One flat fp32 row: for each parameter, its fields in order."""
-        pieces: list[torch.Tensor] = []
-        for p in params:
-            for field in self.fields:
-                pieces.append(self._read(p, field).reshape(-1).float())
-        return torch.cat(pieces)
-
-    def _read(self, p: torch.nn.Parameter, field: str) -> torch.Tensor:
-        if field == "weight":
-            return p.detach()
-        if self.mode == "fragment":
-            if field == "fp32":
-                return safe_get_full_fp32_param(p)
-            return safe_get_full_optimizer_state(p, field)
-        master = self._master_of(p)
-        if field == "fp32":
-            return master.detach()
-        value = self._state[master][field]
-        return value if torch.is_tensor(value) else torch.tensor([float(value)])
-
-    def write(self, params: Sequence[torch.nn.Parameter], row: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            for field in self.fields:
-                n = 1 if field == "step" else p.numel()
-                self._write(p, field, row[offset: offset + n])
-                offset += n
-        assert offset == row.numel(), (offset, row.numel())
-
-    def _write(self, p: torch.nn.Parameter, field: str, flat: torch.Tensor) -> None:
-        if field == "weight":
-            p.data.copy_(flat.view_as(p).to(p.dtype))  # also the model copy, not only the master
-            return
-        if self.mode == "fragment":
-            value = flat.view(p.shape)
-            if field == "fp32":
-                safe_set_full_fp32_param(p, value)
-            else:
-                safe_set_full_optimizer_state(p, value, field)
-            return
-        master = self._master_of(p)
-        if field == "fp32":
-            master.data.copy_(flat.view_as(master))
-            return
-        state = self._state[master]
-        if field == "step" and not torch.is_tensor(state["step"]):
-            state["step"] = type(state["step"])(flat.item())
-            return
-        state[field].copy_(flat.view_as(state[field]).to(state[field].dtype))
-
-
 # ----------------------------------------------------------------------------------------- migration
 @dataclass(frozen=True)
 class MigrationReport:
@@ -231,21 +112,25 @@ class MigrationReport:
     error: str | None = None  # this rank's error, if it failed here
 
 
-def moe_layers(engine: Any) -> list[MoE]:
-    """The `ds_cobalt.MoE` layers of an engine, in module order. Other ds_cobalt layer types (AutoEP's fused
-    experts) are not migrated: their layout stays as it is."""
+def migratable_layers(engine: Any) -> list[Any]:
+    """The ds_cobalt layers of an engine, in module order: `ds_cobalt.MoE` and converted AutoEP layers. Each
+    offers `layout_slots`, `num_local_experts`, `_install_layout`, `_require_groups` and
+    `expert_state_pieces(slot)` (the parameters, or fused-tensor rows, of the expert in an owner slot)."""
     from .engine import cobalt_layers
 
-    return [layer for layer in cobalt_layers(engine) if isinstance(layer, MoE)]
+    return [layer for layer in cobalt_layers(engine) if hasattr(layer, "expert_state_pieces")]
 
 
-def _expert_params(layer: MoE, slot: int) -> list[torch.nn.Parameter]:
-    return list(layer.deepspeed_moe.experts.deepspeed_experts[slot].parameters())
+moe_layers = migratable_layers  # the name before AutoEP layers migrated too
 
 
-def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, MoE, np.ndarray, OwnerMoves]]:
+def _pieces(layer: Any, slot: int) -> list[Piece]:
+    return layer.expert_state_pieces(slot)
+
+
+def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, Any, np.ndarray, OwnerMoves]]:
     """Validate the layouts (ValueError before any communication) and plan each layer's owner moves."""
-    layers = moe_layers(engine)
+    layers = migratable_layers(engine)
     if len(new_slots) != len(layers):
         raise ValueError(f"migrate: got {len(new_slots)} layouts for {len(layers)} ds_cobalt layers")
     plans = []
@@ -262,24 +147,21 @@ def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tu
     return plans
 
 
-def _read_rows(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves) -> torch.Tensor:
+def _read_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> torch.Tensor:
     """Phase 1 for one layer: the moving experts' rows, read only. Reads of ZeRO fragments are collectives
     of the expert-data-parallel group; they run in the same order on every rank."""
-    F = io.row_size(_expert_params(layer, 0))
-    device = layer.deepspeed_moe.gate.wg.weight.device
-    rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
-    for i, slot in enumerate(moves.send_slot):
-        rows[i] = io.read(_expert_params(layer, slot))
-    return rows
+    pieces = _pieces(layer, 0)
+    if not moves.send_slot:
+        return torch.zeros((0, io.row_size(pieces)), dtype=torch.float32, device=pieces[0][0].device)
+    return io.read_rows([_pieces(layer, slot) for slot in moves.send_slot])
 
 
-def _write_rows(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves, recv: torch.Tensor) -> None:
-    for row, slot in zip(recv, moves.recv_slot):
-        io.write(_expert_params(layer, slot), row)
+def _write_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves, recv: torch.Tensor) -> None:
+    io.write_rows([_pieces(layer, slot) for slot in moves.recv_slot], recv)
 
 
-def _traffic(io: "ExpertStateIO", layer: MoE, moves: OwnerMoves) -> tuple[int, int]:
-    row_bytes = io.row_size(_expert_params(layer, 0)) * 4
+def _traffic(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> tuple[int, int]:
+    row_bytes = io.row_size(_pieces(layer, 0)) * 4
     rank = layer.topology.rank
     return (row_bytes * (sum(moves.send_splits) - moves.send_splits[rank]),
             row_bytes * sum(1 for _, a, b in moves.moved if a != b))
@@ -302,7 +184,7 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
     start = time.perf_counter()
     plans = _plan_layers(engine, new_slots)
     moving = [p for p in plans if not p[3].empty]
-    io = ExpertStateIO(engine, _expert_params(moving[0][1], 0)[0]) if moving else None
+    io = ExpertStateIO(engine, _pieces(moving[0][1], 0)[0][0]) if moving else None
     if asynchronous:
         return PendingMigration(engine, plans, io, reason, predicted_saving_s, fault_hook, step, start)
     staged: list[torch.Tensor] = []
@@ -319,9 +201,9 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
                         fault_hook("transfer", index)
                 except Exception as err:  # noqa: BLE001 - any failure aborts the whole migration
                     error = f"layer {index}: {type(err).__name__}: {err}"
-            F = io.row_size(_expert_params(layer, 0))
+            F = io.row_size(_pieces(layer, 0))
             if rows is None:
-                device = layer.deepspeed_moe.gate.wg.weight.device
+                device = _pieces(layer, 0)[0][0].device
                 rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
             recv = rows.new_zeros((sum(moves.recv_splits), F))
             try:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param
 
 from .deepspeed_moe import MoE
-from .migration import ExpertStateIO, relink_optimizer_state
+from .expert_state import ExpertStateIO, Piece, relink_optimizer_state
 
 FORMAT = "ds-cobalt/portable-state-v1"
 _EXPERT = re.compile(r"^(?P<layer>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<slot>\d+)\.(?P<rest>.+)$")
@@ -32,20 +32,28 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _keyed_parameters(engine: Any) -> list[tuple[str, torch.nn.Parameter, bool]]:
-    """(key, parameter, is_expert) in module order; expert keys carry the logical expert id."""
+def _keyed_parameters(engine: Any) -> list[tuple[str, Piece, bool]]:
+    """(key, piece, is_expert) in module order; expert keys carry the logical expert id. A fused expert tensor
+    (AutoEP's `experts.w1/w2/w3`) gives one piece per row: `<layer>.experts.<expert>.w1`."""
     layers = {name: m for name, m in engine.module.named_modules() if isinstance(m, MoE)}
+    fused = {f"{name}.experts.{w}": (name, m) for name, m in engine.module.named_modules()
+             if hasattr(m, "expert_state_pieces") and not isinstance(m, MoE) for w in ("w1", "w2", "w3")}
     out = []
     for name, p in engine.module.named_parameters():
         match = _EXPERT.match(name)
         if match and match["layer"] in layers:
             layer = layers[match["layer"]]
             expert = int(layer.layout_slots[layer.topology.rank, int(match["slot"])])
-            out.append((f"{match['layer']}.experts.{expert}.{match['rest']}", p, True))
+            out.append((f"{match['layer']}.experts.{expert}.{match['rest']}", (p, None), True))
+        elif name in fused:
+            layer_name, layer = fused[name]
+            owners = layer.layout_slots[layer.topology.rank, : layer.num_local_experts]
+            out += [(f"{layer_name}.experts.{int(e)}.{name.rsplit('.', 1)[1]}", (p, slot), True)
+                    for slot, e in enumerate(owners)]
         else:
             if is_moe_param(p):
-                raise ValueError(f"portable state: expert parameter {name} is not in a ds_cobalt.MoE layer")
-            out.append((name, p, False))
+                raise ValueError(f"portable state: expert parameter {name} is not in a ds_cobalt layer")
+            out.append((name, (p, None), False))
     return out
 
 
@@ -65,11 +73,11 @@ def save_portable_state(engine: Any, checkpoint_dir: str) -> str:
     rows: dict[str, torch.Tensor] = {}
     fields: dict[str, list[str]] = {}
     with torch.no_grad():
-        for key, p, expert in _keyed_parameters(engine):
-            io = ExpertStateIO(engine, p)
-            row = io.read([p])  # collective for ZeRO fragments: every rank reads every parameter it holds
+        for key, piece, expert in _keyed_parameters(engine):
+            io = ExpertStateIO(engine, piece[0])
+            row = io.read([piece])  # collective for ZeRO fragments: every rank reads every parameter it holds
             if expert or rank == 0:
-                rows[key], fields[key] = row.cpu(), list(io.fields)
+                rows[key], fields[key] = row.cpu(), io.fields_of(piece)
     payload = {"format": FORMAT, "rank": rank, "rows": rows, "fields": fields,
                "group_steps": _group_steps(engine), "global_steps": int(getattr(engine, "global_steps", 0))}
     os.makedirs(checkpoint_dir, exist_ok=True)
@@ -104,15 +112,17 @@ def load_portable_state(engine: Any, checkpoint_dir: str) -> None:
     _ensure_zero_state(engine, {f for names in fields.values() for f in names})
     relink_optimizer_state(engine.optimizer)
     with torch.no_grad():
-        for key, p, _ in _keyed_parameters(engine):
+        for key, piece, _ in _keyed_parameters(engine):
+            p = piece[0]
             if key not in rows:
                 raise ValueError(f"portable state: no saved state for parameter {key}")
             io = ExpertStateIO(engine, p)
             _ensure_torch_state(io, p, fields[key])
             io = ExpertStateIO(engine, p)
-            if io.fields != fields[key]:
-                raise ValueError(f"portable state: {key} was saved with {fields[key]}, this optimizer has {io.fields}")
-            io.write([p], rows[key].to(p.device))
+            if io.fields_of(piece) != fields[key]:
+                raise ValueError(f"portable state: {key} was saved with {fields[key]}, "
+                                 f"this optimizer has {io.fields_of(piece)}")
+            io.write([piece], rows[key].to(p.device))
     _restore_group_steps(engine, saved["group_steps"])
     engine.global_steps = saved["global_steps"]
 

@@ -29,8 +29,7 @@ from ..planner.layout import Layout
 from ..planner.policies import LayerInput
 from ..planner.stats import RoutingStats, merge_sets, topk_sets
 from ..planner.assign import remote_nodes_per_token
-from .deepspeed_moe import MoE
-from .migration import migrate, moe_layers
+from .migration import migratable_layers, migrate
 
 KEEP, REPLICAS, MIGRATE = 0, 1, 2
 
@@ -119,7 +118,7 @@ class Replanner:
     """The step hook. One instance per engine; see the module docstring for the timeline."""
 
     def __init__(self, engine: Any, cobalt: CobaltConfig) -> None:
-        self.layers: list[MoE] = moe_layers(engine)
+        self.layers: list[Any] = migratable_layers(engine)
         self.cfg = cobalt.planner
         self.mig = cobalt.migration
         self._thread: threading.Thread | None = None
@@ -127,15 +126,14 @@ class Replanner:
         self._error: str | None = None
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
-        if not self.layers:  # only layer types that are not migrated (e.g. AutoEP's)
+        if not self.layers:
             return
         first = self.layers[0]
-        expert = first.deepspeed_moe.experts.deepspeed_experts[0]
-        params = list(expert.parameters())
-        elem = params[0].element_size()
-        d_model = int(first.deepspeed_moe.gate.wg.weight.shape[1])
-        self.link = LinkModel(expert_params=sum(p.numel() for p in params), weight_bytes_per_param=elem,
-                              optimizer_bytes_per_param=12, token_bytes=elem * d_model,
+        pieces = first.expert_state_pieces(0)
+        elem = pieces[0][0].element_size()
+        expert_params = sum(p.numel() if row is None else p[0].numel() for p, row in pieces)
+        self.link = LinkModel(expert_params=expert_params, weight_bytes_per_param=elem,
+                              optimizer_bytes_per_param=12, token_bytes=elem * first.model_dim,
                               inter_node_gbps=self.mig.inter_node_gbps, margin=self.mig.margin)
 
     def __call__(self, engine: Any) -> None:

@@ -1,0 +1,69 @@
+"""One MoE layer's token exchange and expert compute, whatever the layer class around it.
+
+Legend: T tokens, K routes per token, D hidden size, S slots on this rank.
+
+`slot_experts` lists the expert of each slot of this rank (owner experts, then replicas with weights fetched
+from their owners); `moe_exchange` moves the routed tokens to those slots and back, either in phases
+(`dispatch` -> `run_experts` -> `combine`) or with the overlapped schedule (`overlap.overlapped_moe`).
+Both `ds_cobalt.MoE` and the converted AutoEP layers run through here, so they share every feature.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from .dispatch import combine, dispatch
+from .experts import run_experts
+from .overlap import SlotExpert, overlapped_moe
+from .placement import LayerPlacement
+from .replicas import ReplicaPlan, fetch_replicas
+from .tile_tuner import TileTuner
+from .topology import EPGroups
+from .traffic import StepTraffic
+
+
+def slot_experts(module: torch.nn.Module, names: tuple[str, ...], owner_tensors: Sequence[tuple[torch.Tensor, ...]],
+                 placement: LayerPlacement, replica_plan: ReplicaPlan | None,
+                 groups: EPGroups) -> tuple[list[SlotExpert | None], torch.Tensor | None]:
+    """The expert of each slot: `module` applied with `names` bound to the owner tensors of each owner slot,
+    then to fetched replica weights. The anchor (or None) must be added to the layer output so replica
+    gradients flow back to their owners."""
+    slots: list[SlotExpert | None] = [SlotExpert(module, names, tuple(t)) for t in owner_tensors]
+    if replica_plan is None or placement.slots_per_rank == len(owner_tensors):
+        return slots, None
+    fetched, anchor = fetch_replicas([list(t) for t in owner_tensors], replica_plan, groups)
+    for slot in range(len(owner_tensors), placement.slots_per_rank):
+        tensors = fetched.get(slot)
+        slots.append(None if tensors is None else SlotExpert(module, names, tuple(tensors)))
+    return slots, anchor
+
+
+def bind(slot: SlotExpert) -> Callable[[torch.Tensor], torch.Tensor]:
+    tensors = dict(zip(slot.names, slot.tensors))
+    return lambda rows: functional_call(slot.module, tensors, (rows,))
+
+
+def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None], *,
+                 overlap: bool, tile_rows: int | str, tuner: TileTuner, deepspeed_capacity: int,
+                 backend: str) -> tuple[torch.Tensor, StepTraffic]:
+    """`[T, D]` combined expert outputs (router weights applied) and the step's traffic.
+
+    `tile_rows="auto"` lets `tuner` pick the overlap tile size from a few timed forwards."""
+    if overlap:
+        timing = None
+        if tile_rows == "auto":
+            tile_rows = tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
+            timing = tuner.start(x_TD.device)
+        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, int(tile_rows),
+                                         deepspeed_capacity, backend)
+        tuner.record(timing, x_TD.device, groups)
+        return out_TD, traffic
+    rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups,
+                               deepspeed_capacity=deepspeed_capacity, backend=backend)
+    out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
+                         [None if slot is None else bind(slot) for slot in slots])
+    return combine(out_QD, handle, groups), handle.traffic
