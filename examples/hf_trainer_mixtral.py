@@ -2,7 +2,7 @@
 DeepSpeed AutoEP and ds_cobalt's dispatcher, on CPU.
 
     deepspeed --num_gpus 4 examples/hf_trainer_mixtral.py --deepspeed ds_config_templates/hf_autoep_cpu.json \
-        [--model mixtral|qwen3_moe|deepseek_v3] [--steps 30] [--no-cobalt] [--metrics-out m.json]
+        [--model mixtral|qwen3_moe|deepseek_v3] [--steps 30] [--no-cobalt] [--save-steps N] [--metrics-out m.json]
 
 The config's `"expert_parallel"` section makes DeepSpeed replace the model's MoE blocks by AutoEP layers
 inside the engine the Trainer builds; its `"cobalt"` section plus `callbacks=[CobaltCallback()]` make those
@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
     p.add_argument(
         "--no-cobalt", action="store_true", help="plain AutoEP: no CobaltCallback, no 'cobalt' section"
     )
@@ -142,10 +143,13 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=output_dir, deepspeed=deepspeed_config(args.deepspeed, not args.no_cobalt),
         use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=args.logging_steps,
-        save_strategy="no", report_to=args.report_to, seed=args.seed, data_seed=args.seed,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        save_only_model=False, report_to=args.report_to, seed=args.seed, data_seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    exact_losses: list[float] = []  # unrounded (the Trainer's logs round to 4 decimals): one per forward
+    model.register_forward_hook(lambda module, inputs, out: exact_losses.append(float(out.loss.detach())))
     result = trainer.train()
 
     if trainer.is_world_process_zero():
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         report = {
             "model": args.model, "cobalt": not args.no_cobalt, "world_size": world, "steps": args.steps,
-            "losses": [row["loss"] for row in history], "train_loss": result.training_loss,
+            "losses": [row["loss"] for row in history], "exact_losses": exact_losses,
+            "train_loss": result.training_loss,
             "cobalt_metrics": cobalt,
         }  # fmt: skip
         print("=== hf_trainer_mixtral report ===")

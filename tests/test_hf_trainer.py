@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -97,44 +98,55 @@ def test_callback_config_errors_name_the_key(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ the example, launcher
-STEPS = 5
+STEPS = 12
+FULL_COBALT = {  # everything on, so the Trainer path exercises it: replanning with replicas, migration, overlap
+    "topology": {"ranks_per_node": 2},
+    "planner": {"replan_interval": 4, "redundant_slots": 1, "apply_lag": 1},
+    "migration": {"ignore_cost_model": True},
+    "overlap": {"enabled": True, "tile_rows": 64},
+}
+
+
+def _launch_example(tmp_path: Path, name: str, config: Path, *extra: str) -> dict:
+    beside = Path(sys.executable).with_name("deepspeed")
+    deepspeed_bin = str(beside) if beside.exists() else shutil.which("deepspeed")
+    assert deepspeed_bin, "the deepspeed launcher is not on PATH (pip install -e .[test,hf])"
+    metrics = tmp_path / f"{name}.json"
+    cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(free_port()),
+           str(REPO_ROOT / "examples" / "hf_trainer_mixtral.py"), "--deepspeed", str(config),
+           "--steps", str(STEPS), "--output-dir", str(tmp_path / name), "--metrics-out", str(metrics), *extra]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    log = (proc.stdout + proc.stderr)[-8000:]
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{log}"
+    assert "=== hf_trainer_mixtral report" in proc.stdout, log
+    return json.loads(metrics.read_text())
 
 
 @pytest.mark.slow
 def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
-    beside = Path(sys.executable).with_name("deepspeed")
-    deepspeed_bin = str(beside) if beside.exists() else shutil.which("deepspeed")
-    assert deepspeed_bin, "the deepspeed launcher is not on PATH (pip install -e .[test,hf])"
-    metrics = tmp_path / "metrics.json"
-    cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(free_port()),
-           str(REPO_ROOT / "examples" / "hf_trainer_mixtral.py"),
-           "--deepspeed", str(REPO_ROOT / "ds_config_templates" / "hf_autoep_cpu.json"),
-           "--steps", str(STEPS), "--output-dir", str(tmp_path / "out"),
-           "--metrics-out", str(metrics)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(
-        cmd,
-        check=False,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-        stdin=subprocess.DEVNULL,
-    )
-    log = (proc.stdout + proc.stderr)[-8000:]
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{log}"
-    assert "=== hf_trainer_mixtral report" in proc.stdout, log
-    m = json.loads(metrics.read_text())
-    assert m["world_size"] == 4 and m["cobalt"] is True
+    """Plain AutoEP vs AutoEP + CobaltCallback (replanning, migrations, overlap, a Trainer checkpoint in the
+    middle), both through the real Trainer and `deepspeed` launcher: same unrounded losses (1e-5)."""
+    template = json.loads((REPO_ROOT / "ds_config_templates" / "hf_autoep_cpu.json").read_text())
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({**template, "cobalt": FULL_COBALT}))
+    plain = _launch_example(tmp_path, "plain", config, "--no-cobalt")
+    m = _launch_example(tmp_path, "cobalt", config, "--save-steps", str(STEPS // 2))
+    assert m["world_size"] == 4 and m["cobalt"] is True and plain["cobalt"] is False
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])
     assert 5.0 < m["losses"][0] < 6.0, "first loss should be near ln(256) = 5.55"
     assert m["losses"][-1] < m["losses"][0]
+    assert len(m["exact_losses"]) == STEPS
+    np.testing.assert_allclose(m["exact_losses"], plain["exact_losses"], rtol=0, atol=1e-5)
     c = m["cobalt_metrics"]
     assert len(c["cobalt/tokens"]) == STEPS and set(c["cobalt/tokens"]) == {4 * 4 * 64}  # ranks x batch x seq
-    assert all(0 < r < 1 for r in c["cobalt/inter_node_vs_baseline"]), (
-        c
-    )  # fewer bytes than AutoEP's all-to-all
+    assert all(0 < r < 1 for r in c["cobalt/inter_node_vs_baseline"]), c  # fewer bytes than AutoEP's all-to-all
     assert all(x > 0 for x in c["cobalt/intra_node_bytes"])
+    assert sum(c["cobalt/migrations"]) >= 1 and sum(c["cobalt/experts_moved"]) > 0, c
+    assert sum(c["cobalt/migration_failures"]) == 0
+    # the Trainer's checkpoint went through ds_cobalt's save wrapper (logical order + portable state)
+    saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
+    assert sorted(p.name for p in saved.glob("cobalt_state_rank*.pt")) == [f"cobalt_state_rank{r}.pt" for r in range(4)]

@@ -52,7 +52,9 @@ class CobaltCallback(TrainerCallback):
     `cobalt/inter_node_bytes`, `cobalt/intra_node_bytes`, `cobalt/baseline_inter_node_bytes` (what DeepSpeed
     would have sent across nodes: its padded E x C buffers for `ds_cobalt.MoE` layers, AutoEP's one row per
     (token, expert) for AutoEP layers), `cobalt/inter_node_vs_baseline` (ratio), `cobalt/tokens`, and
-    `cobalt/expert_load_max_over_mean` (mean over layers of the busiest expert's load over the mean).
+    `cobalt/expert_load_max_over_mean` (mean over layers of the busiest expert's load over the mean); with a
+    DeepSpeed engine also `cobalt/migrations`, `cobalt/experts_moved` and `cobalt/migration_failures` (owner
+    migrations by the replanner and around checkpoints, finished since the previous log).
     """
 
     def __init__(self, config: CobaltConfig | dict | None = None) -> None:
@@ -62,6 +64,7 @@ class CobaltCallback(TrainerCallback):
         self._trainer: weakref.ReferenceType | None = None
         self._hooked_engine: int | None = None
         self._previous: torch.Tensor | None = None
+        self._reports_seen = 0
 
     # ----- Trainer events ------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs: Any) -> None:
@@ -101,6 +104,7 @@ class CobaltCallback(TrainerCallback):
         if logs is None or "loss" not in logs or model is None:  # only training logging steps (all ranks)
             return
         metrics = self.metrics(model)
+        metrics.update(self._migration_metrics())
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
@@ -139,6 +143,18 @@ class CobaltCallback(TrainerCallback):
         if imbalance:
             out[f"{PREFIX}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)
         return out
+
+    def _migration_metrics(self) -> dict[str, float]:
+        """Owner migrations finished since the previous log (every rank keeps the same reports)."""
+        engine = self._engine()
+        if engine is None or not cobalt_layers(engine):
+            return {}
+        reports = getattr(engine, "cobalt_migrations", [])
+        new, self._reports_seen = reports[self._reports_seen:], len(reports)
+        done = [r for r in new if r.ok]
+        return {f"{PREFIX}migrations": float(len(done)),
+                f"{PREFIX}experts_moved": float(sum(len(r.moved) for r in done)),
+                f"{PREFIX}migration_failures": float(len(new) - len(done))}
 
     def _window(self, model: torch.nn.Module | None) -> torch.Tensor:
         """Counters since the previous call (traffic per layer, then each load_E), summed over ranks."""
