@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-    exact_losses: list[float] = []  # unrounded (the Trainer's logs round to 4 decimals): one per forward
+    # What rank 0's forward returned, unrounded (the logs round to 4 decimals). The Trainer divides by the token
+    # count of all ranks (average_tokens_across_devices), so these are about loss / world_size.
+    exact_losses: list[float] = []
     model.register_forward_hook(lambda module, inputs, out: exact_losses.append(float(out.loss.detach())))
     result = trainer.train()
 
