@@ -12,7 +12,8 @@ Schedule of `overlapped_moe`:
    (token, node) starts back on the rail asynchronously;
 4. round A2, the other half of the own-node routes, computes while those rows travel.
 Backward mirrors the chunked exchange: gradient tiles are computed as they land and input gradients
-leave as soon as each is ready. Results equal `dispatch` -> `run_experts` -> `combine` up to summation order.
+leave as soon as each is ready. The rail gradients travel asynchronously too: the returned rows' gradients
+while round A2's backward runs, the relayed rows' gradients while round A1's backward runs. Results equal `dispatch` -> `run_experts` -> `combine` up to summation order.
 """
 
 from __future__ import annotations
@@ -226,21 +227,53 @@ class _Inflight:
         return self.buffer
 
 
+class _Mailbox:
+    """Where a backward all-to-all started by `_Landed` leaves its result for the matching `_GradReady`."""
+
+    def __init__(self) -> None:
+        self.work = None
+        self.buffer: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None
+
+
 class _Landed(torch.autograd.Function):
-    """Joins an in-flight all-to-all to autograd: forward waits, backward sends gradients back."""
+    """Joins an in-flight all-to-all to autograd. Forward waits for it; backward starts the gradients' trip
+    back asynchronously and passes on a zero placeholder: the gradients reach autograd at `_GradReady`."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, inflight: _Inflight):  # type: ignore[override]
-        ctx.inflight = inflight
+    def forward(ctx, rows: torch.Tensor, inflight: _Inflight, mailbox: _Mailbox):  # type: ignore[override]
+        ctx.inflight, ctx.mailbox = inflight, mailbox
         return inflight.wait().clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        f = ctx.inflight
+        f, box = ctx.inflight, ctx.mailbox
         if f.group is None:
+            return grad, None, None
+        box.keep = grad.contiguous()
+        box.buffer = grad.new_empty((sum(f.send), *grad.shape[1:]))
+        box.work = dist.all_to_all_single(box.buffer, box.keep, list(f.send), list(f.recv), group=f.group,
+                                          async_op=True)
+        return grad.new_zeros(()).expand(box.buffer.shape), None, None
+
+
+class _GradReady(torch.autograd.Function):
+    """Identity; its backward waits for the gradients `_Landed` sent and returns them. Autograd runs nodes
+    created later first, so placing this node earlier in the forward than the work that should overlap the
+    trip (e.g. before round A1) makes backward run that work while the gradients travel."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, mailbox: _Mailbox):  # type: ignore[override]
+        ctx.mailbox = mailbox
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        box = ctx.mailbox
+        if box.work is None:  # no group: `_Landed` passed the real gradient through
             return grad, None
-        out = grad.new_empty((sum(f.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), list(f.send), list(f.recv), group=f.group)
+        box.work.wait()
+        out, box.work, box.buffer, box.keep = box.buffer, None, None, None
         return out, None
 
 
@@ -270,6 +303,9 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     S = placement.slots_per_rank
     plan = plan_rail(topk_ids_TK, placement, groups, backend)
     send_x, send_routes = rail_payload(x_TD, weights_TK, plan, backend)
+    # backward: the gradients of the rail rows travel back while round A1's backward runs
+    box_x, box_routes, box_back = _Mailbox(), _Mailbox(), _Mailbox()
+    send_x, send_routes = _GradReady.apply(send_x, box_x), _GradReady.apply(send_routes, box_routes)
     rail = groups.rail_group
     inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
     inflight_routes = _Inflight(send_routes, plan.route_send, plan.route_recv, rail)
@@ -282,16 +318,17 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts, backend)
 
     # Round B: routes that arrived on the rail; their sums start back on the rail at once.
-    recv_x = _Landed.apply(send_x, inflight_x)
-    recv_routes = _Landed.apply(send_routes, inflight_routes)
+    recv_x = _Landed.apply(send_x, inflight_x, box_x)
+    recv_routes = _Landed.apply(send_routes, inflight_routes, box_routes)
     relay_b = relay_routes(plan, weights_TK, recv_routes, 0, groups, S, include_local=False)
     relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts,
                               backend).to(x_TD.dtype)  # rounded once, for the trip back
+    relayed_PD = _GradReady.apply(relayed_PD, box_back)  # backward: round A2's runs while these travel
     inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
 
     # Round A2: the other half of the own routes, while the results travel back.
     own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts, backend)
-    returned_PD = _Landed.apply(relayed_PD, inflight_back)
+    returned_PD = _Landed.apply(relayed_PD, inflight_back, box_back)
     out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD.float()).to(x_TD.dtype)
 
     send_GS, recv_GS = (_sum_counts([c[i] for c in counts]) for i in (0, 1))
