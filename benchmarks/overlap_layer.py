@@ -8,7 +8,9 @@ with `--script benchmarks/overlap_layer.py` for a bandwidth-limited inter-node l
 Prints, from rank 0, median times over `--iters` iterations measured back to back in one run, and ratios:
 overlap on vs off, vs DeepSpeed's layer, and vs the lower bound max(communication, compute), where
 communication is the same exchange with identity experts and compute is the experts alone on the rows
-this rank serves (both measured in the same run, slowest rank).
+this rank serves (both measured in the same run, slowest rank). The phased communication time includes
+the gaps between its phases, which the chunked schedule overlaps; with `--link-mbit` (the emulated link's
+rate) the script also prints the wire time of the inter-node bytes and the ratio to max(wire, compute).
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--tile-rows", type=int, default=512)
+    p.add_argument("--rail-chunks", type=int, default=2, help="cobalt.overlap.rail_chunks")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="inter-node link rate per direction (run_cluster.sh --rate); adds the wire-time bound")
     p.add_argument("--metrics-out", "--json-out", dest="json_out", type=str, default=None,
                    help="write the times and ratios as JSON (rank 0)")
     p.add_argument("--local_rank", type=int, default=0)  # set by the deepspeed launcher
@@ -77,7 +82,8 @@ def main() -> None:
     layers = {"deepspeed": DeepSpeedMoE(D, expert, E, **kw)}
     for name, overlap in (("cobalt", False), ("cobalt_overlap", True)):
         cfg = parse_cobalt_config({"topology": {"ranks_per_node": args.ranks_per_node},
-                                   "overlap": {"enabled": overlap, "tile_rows": args.tile_rows}})
+                                   "overlap": {"enabled": overlap, "tile_rows": args.tile_rows,
+                                               "rail_chunks": args.rail_chunks}})
         layers[name] = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kw)
         layers[name].load_state_dict(layers["deepspeed"].state_dict())
     for layer in layers.values():
@@ -113,12 +119,23 @@ def main() -> None:
     results["communication"] = timed(comm_only, args.iters, args.warmup)
     results["compute"] = timed(compute_only, args.iters, args.warmup)
     bound = max(results["communication"], results["compute"])
+    if args.link_mbit:
+        # Wire time: the overlapped layer's inter-node bytes per fwd+bwd (backward sends what forward received),
+        # spread evenly over the nodes' egress links: a floor no schedule can beat.
+        totals = layers["cobalt_overlap"].traffic.totals()
+        sent = torch.tensor([totals["inter_node_bytes"] / max(1, totals["steps"])], dtype=torch.float64)
+        dist.all_reduce(sent)
+        nodes = world // cobalt.topology.ranks_per_node
+        results["wire"] = float(sent) * 2 * 8 / (nodes * args.link_mbit * 1e6)
+        bound = max(bound, results["wire"])
     ratios = {
         "overlap_on_over_off": results["cobalt_overlap"] / results["cobalt"],
         "overlap_on_over_deepspeed": results["cobalt_overlap"] / results["deepspeed"],
         "overlap_off_over_deepspeed": results["cobalt"] / results["deepspeed"],
         "overlap_on_over_lower_bound": results["cobalt_overlap"] / bound,
     }
+    if "wire" in results:
+        ratios["overlap_on_over_max_wire_compute"] = results["cobalt_overlap"] / max(results["wire"], results["compute"])
     if rank == 0:
         print(f"one MoE layer fwd+bwd, {world} ranks, {args.tokens} tokens/rank, D={D}, F={args.ffn}, "
               f"E={E}, k={args.top_k}; median of {args.iters} (slowest rank)")

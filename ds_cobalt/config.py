@@ -95,10 +95,13 @@ class OverlapConfig(_Section):
     """Fine-grained compute/communication overlap (runtime/overlap.py): the rail transfer runs behind
     the own-node round, and intra-node rows travel in tiles of at most `tile_rows` rows, each computed
     as it lands. `"auto"`: a cost-model guess refined by timing a few sizes on the first forwards
-    (runtime/tile_tuner.py)."""
+    (runtime/tile_tuner.py). `rail_chunks`: the inter-node transfer is cut into this many token chunks, so
+    the relays compute each chunk while the next one travels and each chunk's results start back as soon as
+    they are ready (1: one transfer each way)."""
 
     enabled: bool = False
     tile_rows: int | Literal["auto"] = "auto"
+    rail_chunks: int = Field(default=2, ge=1, le=64)
 
     @field_validator("tile_rows")
     @classmethod

@@ -94,6 +94,10 @@ CASES = {
     "overlap_k1_capacity_auto_tiles": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], overlap={"enabled": True}),
     "overlap_rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0],
                                         overlap={"enabled": True, "tile_rows": 4}),
+    "overlap_one_rail_chunk": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
+                                   overlap={"enabled": True, "tile_rows": 3, "rail_chunks": 1}),
+    "overlap_more_rail_chunks_than_tokens": dict(E=8, k=2, drop=False, tokens=[12, 3, 20, 0],
+                                                 overlap={"enabled": True, "tile_rows": 5, "rail_chunks": 5}),
     "overlap_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
                              overlap={"enabled": True, "tile_rows": 2}),
 }

@@ -140,9 +140,8 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         owner = [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)]
         slots, anchor = slot_experts(self._expert_module, _FUSED_NAMES, owner, self._placement, self._replica_plan,
                                      groups)
-        overlap = self.cobalt_config.overlap
         output, traffic = moe_exchange(x_TD, topk_ids_TK, ro.top_scores, self._placement, groups, slots,
-                                       overlap=overlap.enabled, tile_rows=overlap.tile_rows, tuner=self.tile_tuner,
+                                       overlap=self.cobalt_config.overlap, tuner=self.tile_tuner,
                                        deepspeed_capacity=0, backend=self.cobalt_config.kernels.backend)
         output = output.reshape(bsz, seqlen, hdim)
         if anchor is not None:

@@ -132,9 +132,8 @@ class MoE(DeepSpeedMoE):
             self.trace_rows.append(topk_ids_TK.detach().cpu())
 
         slots, anchor = self._slot_experts(groups)
-        overlap = self.cobalt_config.overlap
         output, traffic = moe_exchange(x_TD, topk_ids_TK, weights_KT.t(), self._placement, groups, slots,
-                                       overlap=overlap.enabled, tile_rows=overlap.tile_rows, tuner=self.tile_tuner,
+                                       overlap=self.cobalt_config.overlap, tuner=self.tile_tuner,
                                        deepspeed_capacity=int(capacity), backend=self.cobalt_config.kernels.backend)
         output = output.reshape(hidden_states.shape)
         if anchor is not None:

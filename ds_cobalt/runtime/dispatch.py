@@ -86,15 +86,15 @@ class DispatchHandle:
 
 
 def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
-              backend: str = "torch") -> RailPlan:
+              backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
     """Task assignment, (token, remote node) dedup and the rail count exchange.
 
-    `backend`: kernel backend of `ds_cobalt.kernels` ("torch", "cupy" or "auto")."""
+    `backend`: kernel backend of `ds_cobalt.kernels` ("torch", "cupy" or "auto"). `assignment`: this
+    call's `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
     topo = groups.topology
     T, _ = topk_ids_TK.shape
     N, G = topo.nodes, topo.ranks_per_node
-    device = topk_ids_TK.device
-    dest_rank_TK, dest_slot_TK = assign_tasks(topk_ids_TK, placement, topo.rank)
+    dest_rank_TK, dest_slot_TK = assignment or assign_tasks(topk_ids_TK, placement, topo.rank)
     valid_TK = dest_rank_TK >= 0
     dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
     remote_TK = valid_TK & (dest_node_TK != topo.node)

@@ -10,7 +10,7 @@ Both `ds_cobalt.MoE` and the converted AutoEP layers run through here, so they s
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.func import functional_call
@@ -46,20 +46,29 @@ def bind(slot: SlotExpert) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda rows: functional_call(slot.module, tensors, (rows,))
 
 
+class OverlapSettings(Protocol):
+    """What `moe_exchange` reads of the overlap settings (`ds_cobalt.config.OverlapConfig`)."""
+
+    enabled: bool
+    tile_rows: int | str
+    rail_chunks: int
+
+
 def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None], *,
-                 overlap: bool, tile_rows: int | str, tuner: TileTuner, deepspeed_capacity: int,
+                 overlap: OverlapSettings, tuner: TileTuner, deepspeed_capacity: int,
                  backend: str) -> tuple[torch.Tensor, StepTraffic]:
     """`[T, D]` combined expert outputs (router weights applied) and the step's traffic.
 
-    `tile_rows="auto"` lets `tuner` pick the overlap tile size from a few timed forwards."""
-    if overlap:
+    `overlap.tile_rows="auto"` lets `tuner` pick the overlap tile size from a few timed forwards."""
+    if overlap.enabled:
         timing = None
+        tile_rows = overlap.tile_rows
         if tile_rows == "auto":
             tile_rows = tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
             timing = tuner.start(x_TD.device)
         out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, int(tile_rows),
-                                         deepspeed_capacity, backend)
+                                         deepspeed_capacity, backend, overlap.rail_chunks)
         tuner.record(timing, x_TD.device, groups)
         return out_TD, traffic
     rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups,

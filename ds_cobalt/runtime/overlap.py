@@ -2,23 +2,26 @@
 
 Legend: T tokens, K routes, D hidden, G ranks per node, S slots per rank, R relay routes, P pairs.
 
-Schedule of `overlapped_moe`:
-1. the rail (inter-node) transfer of this rank's (token, remote node) rows starts asynchronously;
-2. round A1, the own-node routes of the first half of the tokens, runs meanwhile: the intra-node
-   exchange is split by source rank and into tiles of at most `tile_rows` rows; the expert rank
-   computes its own rows first, then each tile as soon as its receive completes, and sends each
-   finished tile back while later tiles compute (point-to-point work handles, no barrier);
-3. round B, the routes that arrived on the rail, runs the same chunked exchange, and its one row per
-   (token, node) starts back on the rail asynchronously;
-4. round A2, the other half of the own-node routes, computes while those rows travel.
-Backward mirrors the chunked exchange: gradient tiles are computed as they land and input gradients
-leave as soon as each is ready. The rail gradients travel asynchronously too: the returned rows' gradients
-while round A2's backward runs, the relayed rows' gradients while round A1's backward runs. Results equal `dispatch` -> `run_experts` -> `combine` up to summation order.
+Schedule of `overlapped_moe` (C = `rail_chunks`):
+1. the tokens are cut into C chunks for the rail (inter-node); every chunk's (token, remote node) rows
+   start on the rail asynchronously;
+2. the own-node routes are cut by token into C + 1 parts, and the rounds run A_0, B_0, A_1, B_1, ..., A_C:
+   round A_c computes own-node part c while rail chunk c travels; round B_c computes the routes that
+   arrived in chunk c, and its one row per (token, node) starts back on the rail at once; A_C computes
+   while the last results travel back;
+3. inside every round the intra-node exchange is split by source rank and into tiles of at most
+   `tile_rows` rows; the expert rank computes its own rows first, then each tile as soon as its receive
+   completes, and sends each finished tile back while later tiles compute (point-to-point work handles,
+   no barrier).
+Backward mirrors it: gradient tiles are computed as they land and input gradients leave as soon as each
+is ready; the rail gradients travel asynchronously, behind the A rounds' backward (`_Landed` starts a
+trip, `_GradReady`, placed earlier in the forward, collects it). Results equal `dispatch` -> `run_experts`
+-> `combine` up to summation order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -26,8 +29,9 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
-from .dispatch import RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes, weighted_sum
-from .placement import LayerPlacement
+from .dispatch import (RailPlan, RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes,
+                       weighted_sum)
+from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups
 from .traffic import StepTraffic
 
@@ -281,6 +285,16 @@ def _select(relay: RelayRoutes, keep_R: torch.Tensor) -> RelayRoutes:
     return RelayRoutes(relay.pool_R[keep_R], relay.local_R[keep_R], relay.slot_R[keep_R], relay.weight_R[keep_R])
 
 
+def _own_routes(plans: Sequence[RailPlan], spans: Sequence[tuple[int, int]], weights_TK: torch.Tensor,
+                groups: EPGroups, slots: int) -> RelayRoutes:
+    """This rank's own-node routes over all chunks, pool rows = token index, sorted by (local rank, slot)."""
+    parts = [relay_routes(plan, weights_TK[a:b], None, 0, groups, slots) for plan, (a, b) in zip(plans, spans)]
+    pool_R = torch.cat([r.pool_R + a for r, (a, _) in zip(parts, spans)])
+    local_R, slot_R, weight_R = (torch.cat(cols) for cols in zip(*((r.local_R, r.slot_R, r.weight_R) for r in parts)))
+    order = torch.argsort(local_R * slots + slot_R, stable=True)
+    return RelayRoutes(pool_R[order], local_R[order], slot_R[order], weight_R[order])
+
+
 def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: Sequence[SlotExpert | None],
                  groups: EPGroups, tile_rows: int, counts: list, backend: str) -> torch.Tensor:
     """Intra-node exchange + experts + weighted sum per pool row for one set of relay routes."""
@@ -296,42 +310,85 @@ def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
     return [[sum(vals) for vals in zip(*rows)] for rows in zip(*matrices)]
 
 
+@dataclass
+class _RailChunk:
+    """One token chunk's trip over the rail: rows and routes out (started at once), relayed sums back."""
+
+    span: tuple[int, int]
+    plan: RailPlan
+    send_x: torch.Tensor
+    send_routes: torch.Tensor
+    inflight_x: _Inflight
+    inflight_routes: _Inflight
+    box_x: _Mailbox
+    box_routes: _Mailbox
+    back: tuple[_Inflight, _Mailbox, torch.Tensor] | None = None
+
+
+def _start_chunk(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan, span: tuple[int, int],
+                 rail: dist.ProcessGroup | None, backend: str) -> _RailChunk:
+    a, b = span
+    send_x, send_routes = rail_payload(x_TD[a:b], weights_TK[a:b], plan, backend)
+    # backward: these rows' gradients come back while the own-node rounds' backward runs
+    box_x, box_routes = _Mailbox(), _Mailbox()
+    send_x, send_routes = _GradReady.apply(send_x, box_x), _GradReady.apply(send_routes, box_routes)
+    return _RailChunk(span, plan, send_x, send_routes,
+                      _Inflight(send_x, plan.rail_send, plan.rail_recv, rail),
+                      _Inflight(send_routes, plan.route_send, plan.route_recv, rail), box_x, box_routes)
+
+
 def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
-                   tile_rows: int, deepspeed_capacity: int, backend: str = "torch") -> tuple[torch.Tensor, StepTraffic]:
-    """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic."""
+                   tile_rows: int, deepspeed_capacity: int, backend: str = "torch",
+                   rail_chunks: int = 2) -> tuple[torch.Tensor, StepTraffic]:
+    """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic (module docstring)."""
     S = placement.slots_per_rank
-    plan = plan_rail(topk_ids_TK, placement, groups, backend)
-    send_x, send_routes = rail_payload(x_TD, weights_TK, plan, backend)
-    # backward: the gradients of the rail rows travel back while round A1's backward runs
-    box_x, box_routes, box_back = _Mailbox(), _Mailbox(), _Mailbox()
-    send_x, send_routes = _GradReady.apply(send_x, box_x), _GradReady.apply(send_routes, box_routes)
+    T = x_TD.shape[0]
+    C = max(1, int(rail_chunks))
     rail = groups.rail_group
-    inflight_x = _Inflight(send_x, plan.rail_send, plan.rail_recv, rail)
-    inflight_routes = _Inflight(send_routes, plan.route_send, plan.route_recv, rail)
+    dest_rank_TK, dest_slot_TK = assign_tasks(topk_ids_TK, placement, groups.topology.rank)
+    bounds = [T * c // C for c in range(C + 1)]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    # every chunk's count exchange first: a blocking exchange would otherwise queue behind a transfer
+    plans = [plan_rail(topk_ids_TK[a:b], placement, groups, backend, (dest_rank_TK[a:b], dest_slot_TK[a:b]))
+             for a, b in spans]
+    chunks = [_start_chunk(x_TD, weights_TK, plan, span, rail, backend) for plan, span in zip(plans, spans)]
 
-    # Round A1: the first half of the own tokens' routes on this node, while the rail transfer is in flight.
-    relay_own = relay_routes(plan, weights_TK, None, 0, groups, S)
-    half = relay_own.pool_R < (plan.num_tokens + 1) // 2
-    relay_a1, relay_a2 = _select(relay_own, half), _select(relay_own, ~half)
-    counts = []
-    own_TD = _local_round(x_TD, relay_a1, plan.num_tokens, slots, groups, tile_rows, counts, backend)
+    relay_own = _own_routes(plans, spans, weights_TK, groups, S)
+    part_of_R = relay_own.pool_R * (C + 1) // max(1, T)  # own-node part of each route, by token
+    counts: list = []
+    own_TD = None
 
-    # Round B: routes that arrived on the rail; their sums start back on the rail at once.
-    recv_x = _Landed.apply(send_x, inflight_x, box_x)
-    recv_routes = _Landed.apply(send_routes, inflight_routes, box_routes)
-    relay_b = relay_routes(plan, weights_TK, recv_routes, 0, groups, S, include_local=False)
-    relayed_PD = _local_round(recv_x, relay_b, sum(plan.rail_recv), slots, groups, tile_rows, counts,
-                              backend).to(x_TD.dtype)  # rounded once, for the trip back
-    relayed_PD = _GradReady.apply(relayed_PD, box_back)  # backward: round A2's runs while these travel
-    inflight_back = _Inflight(relayed_PD, plan.rail_recv, plan.rail_send, rail)
+    def own_part(p: int) -> None:
+        nonlocal own_TD
+        part = _local_round(x_TD, _select(relay_own, part_of_R == p), T, slots, groups, tile_rows, counts, backend)
+        own_TD = part if own_TD is None else own_TD + part
 
-    # Round A2: the other half of the own routes, while the results travel back.
-    own_TD = own_TD + _local_round(x_TD, relay_a2, plan.num_tokens, slots, groups, tile_rows, counts, backend)
-    returned_PD = _Landed.apply(relayed_PD, inflight_back, box_back)
-    out_TD = own_TD.index_add(0, plan.pair_token_P, returned_PD.float()).to(x_TD.dtype)
+    for c, ch in enumerate(chunks):
+        own_part(c)  # round A_c, while chunk c (and later ones) travel
+        recv_x = _Landed.apply(ch.send_x, ch.inflight_x, ch.box_x)
+        recv_routes = _Landed.apply(ch.send_routes, ch.inflight_routes, ch.box_routes)
+        a, b = ch.span
+        relay_b = relay_routes(ch.plan, weights_TK[a:b], recv_routes, 0, groups, S, include_local=False)
+        relayed_PD = _local_round(recv_x, relay_b, sum(ch.plan.rail_recv), slots, groups, tile_rows, counts,
+                                  backend).to(x_TD.dtype)  # round B_c, rounded once for the trip back
+        box_back = _Mailbox()
+        relayed_PD = _GradReady.apply(relayed_PD, box_back)  # backward: later rounds run while these travel
+        ch.back = (_Inflight(relayed_PD, ch.plan.rail_recv, ch.plan.rail_send, rail), box_back, relayed_PD)
+    own_part(C)  # round A_C, while the last results travel back
+
+    out_TD = own_TD
+    for ch in chunks:
+        inflight_back, box_back, relayed_PD = ch.back
+        returned_PD = _Landed.apply(relayed_PD, inflight_back, box_back)
+        out_TD = out_TD.index_add(0, ch.plan.pair_token_P + ch.span[0], returned_PD.float())
+    out_TD = out_TD.to(x_TD.dtype)
 
     send_GS, recv_GS = (_sum_counts([c[i] for c in counts]) for i in (0, 1))
-    traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(),
+    merged = replace(plans[0], num_tokens=T, **{
+        field: tuple(sum(v) for v in zip(*(getattr(plan, field) for plan in plans)))
+        for field in ("rail_send", "rail_recv", "route_send", "route_recv")},
+        deepspeed_remote_routes=sum(plan.deepspeed_remote_routes for plan in plans))
+    traffic = measure_traffic(merged, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(),
                               groups.topology, placement.owner_slots_per_rank, deepspeed_capacity)
     return out_TD, traffic
