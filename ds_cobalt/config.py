@@ -97,17 +97,25 @@ class OverlapConfig(_Section):
     as it lands. `"auto"`: a cost-model guess refined by timing a few sizes on the first forwards
     (runtime/tile_tuner.py). `rail_chunks`: the inter-node transfer is cut into this many token chunks, so
     the relays compute each chunk while the next one travels and each chunk's results start back as soon as
-    they are ready (1: one transfer each way)."""
+    they are ready (1: one transfer each way; `"auto"`: 1, 2 or 4, whichever forward is fastest, tried after
+    the tile size is settled)."""
 
     enabled: bool = False
     tile_rows: int | Literal["auto"] = "auto"
-    rail_chunks: int = Field(default=2, ge=1, le=64)
+    rail_chunks: int | Literal["auto"] = 2
 
     @field_validator("tile_rows")
     @classmethod
     def _positive(cls, value):
         if value != "auto" and value <= 0:
             raise ValueError(f"must be a positive integer or 'auto', got {value!r}")
+        return value
+
+    @field_validator("rail_chunks")
+    @classmethod
+    def _chunks(cls, value):
+        if value != "auto" and not 1 <= value <= 64:
+            raise ValueError(f"must be an integer from 1 to 64 or 'auto', got {value!r}")
         return value
 
 

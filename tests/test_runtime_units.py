@@ -183,3 +183,38 @@ def test_overlap_config_validates_tile_rows() -> None:
         parse_cobalt_config({"overlap": {"tile_rows": 0}})
     with pytest.raises(ValueError, match=r"cobalt\.overlap\.tile_rows"):
         parse_cobalt_config({"overlap": {"tile_rows": "fast"}})
+
+
+def test_overlap_tuner_settles_tiles_then_rail_chunks(monkeypatch) -> None:
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    tuner = tile_tuner.OverlapTuner()
+    tuner.tiles = tile_tuner.TileTuner(factors=(1.0, 2.0), warmup=0)
+    tuner.chunks = tile_tuner.ChoiceTuner((1, 2, 4), warmup=0)
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    cost = {64: 2.0, 128: 1.0}  # tile rows -> seconds; rail chunks add 4 -> 0.5, 2 -> 0.1, 1 -> 0.3
+    extra = {1: 0.3, 2: 0.1, 4: 0.5}
+    seen = []
+    for _ in range(7):
+        rows, chunks, timed = tuner.settings(4096, "auto", "auto")
+        seen.append((rows, chunks))
+        started = timed.start(torch.device("cpu")) if timed else None
+        now["t"] += cost[rows] + extra[chunks]
+        if timed:
+            timed.record(started, torch.device("cpu"), groups)
+    # tiles timed with the chunk guess, then chunks timed with the chosen tile size, then fixed
+    assert seen[:5] == [(64, 2), (128, 2), (128, 1), (128, 2), (128, 4)]
+    assert tuner.chosen() == {"tile_rows": 128, "rail_chunks": 2} and seen[5:] == [(128, 2)] * 2
+    # fixed settings are passed through and nothing is timed
+    assert tile_tuner.OverlapTuner().settings(4096, 32, 3) == (32, 3, None)
+
+
+def test_overlap_config_validates_rail_chunks() -> None:
+    assert parse_cobalt_config({}).overlap.rail_chunks == 2
+    assert parse_cobalt_config({"overlap": {"rail_chunks": "auto"}}).overlap.rail_chunks == "auto"
+    for bad in (0, 65, "many"):
+        with pytest.raises(ValueError, match=r"cobalt\.overlap\.rail_chunks"):
+            parse_cobalt_config({"overlap": {"rail_chunks": bad}})

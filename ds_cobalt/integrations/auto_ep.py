@@ -30,7 +30,7 @@ from ..runtime.moe_exchange import moe_exchange, slot_experts
 from ..runtime.placement import LayerPlacement, build_placement
 from ..runtime.replicas import ReplicaPlan, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
-from ..runtime.tile_tuner import TileTuner
+from ..runtime.tile_tuner import OverlapTuner
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
 from .engine import register_layer_type
@@ -71,7 +71,7 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         layer.trace_rows = None
         layer._groups = groups
         layer._replica_plan = None
-        layer.tile_tuner = TileTuner()
+        layer.tile_tuner = OverlapTuner()
         experts = layer.experts
         # not a submodule (no parameters, not in state dicts): bound to weight rows at each call
         object.__setattr__(layer, "_expert_module", FusedExpertMLP(

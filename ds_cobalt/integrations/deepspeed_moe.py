@@ -21,7 +21,7 @@ from ..runtime.overlap import SlotExpert
 from ..runtime.placement import LayerPlacement, build_placement
 from ..runtime.replicas import ReplicaPlan, plan_replicas
 from ..runtime.stats import DeviceRoutingStats
-from ..runtime.tile_tuner import TileTuner
+from ..runtime.tile_tuner import OverlapTuner
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from ..runtime.traffic import TrafficCounters
 from .expert_state import Piece
@@ -56,7 +56,7 @@ class MoE(DeepSpeedMoE):
         self._placement: LayerPlacement | None = None
         self._replica_plan: ReplicaPlan | None = None
         self.stats = DeviceRoutingStats(num_experts, k)
-        self.tile_tuner = TileTuner()
+        self.tile_tuner = OverlapTuner()
         self.trace_rows: list[torch.Tensor] | None = None  # top-k ids per forward while a trace records
 
     # ----- setup -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Both `ds_cobalt.MoE` and the converted AutoEP layers run through here, so they s
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -20,9 +21,12 @@ from .experts import run_experts
 from .overlap import SlotExpert, overlapped_moe
 from .placement import LayerPlacement
 from .replicas import ReplicaPlan, fetch_replicas
-from .tile_tuner import TileTuner
+from .tile_tuner import OverlapTuner
 from .topology import EPGroups
 from .traffic import StepTraffic
+
+# A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
+_log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
 
 
 def slot_experts(module: torch.nn.Module, names: tuple[str, ...], owner_tensors: Sequence[tuple[torch.Tensor, ...]],
@@ -51,25 +55,27 @@ class OverlapSettings(Protocol):
 
     enabled: bool
     tile_rows: int | str
-    rail_chunks: int
+    rail_chunks: int | str
 
 
 def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None], *,
-                 overlap: OverlapSettings, tuner: TileTuner, deepspeed_capacity: int,
+                 overlap: OverlapSettings, tuner: OverlapTuner, deepspeed_capacity: int,
                  backend: str) -> tuple[torch.Tensor, StepTraffic]:
     """`[T, D]` combined expert outputs (router weights applied) and the step's traffic.
 
-    `overlap.tile_rows="auto"` lets `tuner` pick the overlap tile size from a few timed forwards."""
+    `"auto"` overlap settings let `tuner` pick them from a few timed forwards."""
     if overlap.enabled:
-        timing = None
-        tile_rows = overlap.tile_rows
-        if tile_rows == "auto":
-            tile_rows = tuner.tile_rows(x_TD.shape[1] * x_TD.element_size())
-            timing = tuner.start(x_TD.device)
-        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, int(tile_rows),
-                                         deepspeed_capacity, backend, overlap.rail_chunks)
-        tuner.record(timing, x_TD.device, groups)
+        tile_rows, rail_chunks, timed = tuner.settings(x_TD.shape[1] * x_TD.element_size(), overlap.tile_rows,
+                                                       overlap.rail_chunks)
+        started = timed.start(x_TD.device) if timed is not None else None
+        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, tile_rows,
+                                         deepspeed_capacity, backend, rail_chunks)
+        if timed is not None:
+            timed.record(started, x_TD.device, groups)
+            if timed.chosen is not None and groups.topology.rank == 0:
+                _log.info("ds_cobalt overlap: chose %s from %s (forward seconds %s)", tuner.chosen(),
+                          timed.candidates, [round(t, 5) for t in timed.times])
         return out_TD, traffic
     rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups,
                                deepspeed_capacity=deepspeed_capacity, backend=backend)

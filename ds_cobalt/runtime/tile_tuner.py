@@ -1,43 +1,46 @@
-"""Adaptive tile size for the overlapped schedule: a cost-model guess refined by a short measurement.
+"""Adaptive granularity for the overlapped schedule: cost-model guesses refined by a short measurement.
 
-Smaller tiles expose less communication before the first expert compute can start but pay a per-message
-cost; the guess aims at messages of `target_message_bytes`, then the tuner times the layer's forward at
-a few sizes around the guess (one forward each, after one warm-up) and keeps the fastest. Every rank of
-the EP group walks the same candidate list and agrees on the winner through one all-reduce, because
-sender and receiver must cut rows into the same tiles.
+Tile size (`overlap.tile_rows: "auto"`): smaller tiles expose less communication before the first expert
+compute can start but pay a per-message cost; the guess aims at messages of `target_message_bytes`, then
+the tuner times the layer's forward at a few sizes around the guess. Rail chunks (`overlap.rail_chunks:
+"auto"`): more chunks hide more of the relays' compute behind the inter-node transfer but add a count
+exchange and messages per chunk; the guess is 2, then 1, 2 and 4 are timed (after the tile size is fixed,
+so the two measurements do not mix). Each trial is one forward after one warm-up; the fastest wins. Every rank
+of the EP group walks the same candidate list and agrees on the winner through one all-reduce, because
+sender and receiver must cut rows into the same tiles and chunks.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .topology import EPGroups
 
+RAIL_CHUNKS_GUESS = 2
+RAIL_CHUNK_CANDIDATES = (1, 2, 4)
+
 
 def guess_tile_rows(row_bytes: int, target_message_bytes: int = 256 << 10) -> int:
     return int(min(4096, max(16, target_message_bytes // max(1, row_bytes))))
 
 
-class TileTuner:
-    """Per-layer state: `tile_rows()` for the next forward, `record(seconds)` after it."""
+class ChoiceTuner:
+    """Times one forward per candidate (after `warmup` forwards) and keeps the fastest."""
 
-    def __init__(self, factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0), warmup: int = 1) -> None:
-        self.factors = factors
+    def __init__(self, candidates: Sequence[int] = (), warmup: int = 1) -> None:
         self.warmup = warmup
-        self.candidates: list[int] = []
+        self.candidates: list[int] = list(candidates)
         self.times: list[float] = []
         self.calls = 0
         self.chosen: int | None = None
 
-    def tile_rows(self, row_bytes: int) -> int:
+    def value(self) -> int:
         if self.chosen is not None:
             return self.chosen
-        if not self.candidates:
-            guess = guess_tile_rows(row_bytes)
-            self.candidates = sorted({max(1, int(guess * f)) for f in self.factors})
         trial = max(0, self.calls - self.warmup)
         return self.candidates[min(trial, len(self.candidates) - 1)]
 
@@ -61,3 +64,44 @@ class TileTuner:
             if groups.ep_group is not None:
                 dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.ep_group)  # slowest rank decides
             self.chosen = self.candidates[int(times.argmin())]
+
+
+class TileTuner(ChoiceTuner):
+    """Tile rows: candidates are `factors` times the cost-model guess for the layer's row size."""
+
+    def __init__(self, factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0), warmup: int = 1) -> None:
+        super().__init__((), warmup)
+        self.factors = factors
+
+    def tile_rows(self, row_bytes: int) -> int:
+        if not self.candidates:
+            guess = guess_tile_rows(row_bytes)
+            self.candidates = sorted({max(1, int(guess * f)) for f in self.factors})
+        return self.value()
+
+
+class OverlapTuner:
+    """Per-layer state for the `"auto"` overlap settings: tile rows first, then rail chunks."""
+
+    def __init__(self) -> None:
+        self.tiles = TileTuner()
+        self.chunks = ChoiceTuner(RAIL_CHUNK_CANDIDATES)
+
+    def settings(self, row_bytes: int, tile_rows: int | str,
+                 rail_chunks: int | str) -> tuple[int, int, ChoiceTuner | None]:
+        """`(tile_rows, rail_chunks, tuner to time this forward with or None)` for the configured values."""
+        timing: ChoiceTuner | None = None
+        if tile_rows == "auto":
+            tile_rows = self.tiles.tile_rows(row_bytes)
+            if self.tiles.chosen is None:
+                timing = self.tiles
+        if rail_chunks == "auto":
+            if timing is None:
+                rail_chunks = self.chunks.value()
+                timing = None if self.chunks.chosen is not None else self.chunks
+            else:
+                rail_chunks = RAIL_CHUNKS_GUESS
+        return int(tile_rows), int(rail_chunks), timing
+
+    def chosen(self) -> dict[str, int | None]:
+        return {"tile_rows": self.tiles.chosen, "rail_chunks": self.chunks.chosen}
