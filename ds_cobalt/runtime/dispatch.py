@@ -161,11 +161,18 @@ def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch
 
 def node_counts(relay: RelayRoutes, groups: EPGroups, slots: int) -> tuple[list[list[int]], list[list[int]]]:
     """Per (local rank, slot) rows this relay sends and receives: `send_GS`, `recv_GS` (one host sync)."""
+    return node_counts_many([relay], groups, slots)[0]
+
+
+def node_counts_many(relays: Sequence[RelayRoutes], groups: EPGroups,
+                     slots: int) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """`node_counts` of several route sets in one exchange and one host sync."""
     G = groups.topology.ranks_per_node
-    send_GS = torch.bincount(relay.local_R * slots + relay.slot_R, minlength=G * slots).reshape(G, slots)
-    recv_GS = exchange_counts(send_GS, groups.node_group)
-    both = torch.stack([send_GS, recv_GS]).tolist()  # NOTE: host sync
-    return both[0], both[1]
+    send_GnS = torch.stack([torch.bincount(r.local_R * slots + r.slot_R, minlength=G * slots).reshape(G, slots)
+                            for r in relays], dim=1)
+    recv_GnS = exchange_counts(send_GnS.reshape(G, -1), groups.node_group).reshape(send_GnS.shape)
+    send, recv = torch.stack([send_GnS, recv_GnS]).tolist()  # NOTE: host sync
+    return [([row[i] for row in send], [row[i] for row in recv]) for i in range(len(relays))]
 
 
 def measure_traffic(plan: RailPlan, send_GS: Sequence[Sequence[int]], recv_GS: Sequence[Sequence[int]],

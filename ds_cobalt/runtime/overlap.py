@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
-from .dispatch import (RailPlan, RelayRoutes, measure_traffic, node_counts, plan_rail, rail_payload, relay_routes,
-                       weighted_sum)
+from .dispatch import (RailPlan, RelayRoutes, measure_traffic, node_counts, node_counts_many, plan_rail, rail_payload,
+                       relay_routes, weighted_sum)
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups
 from .traffic import StepTraffic
@@ -296,10 +296,11 @@ def _own_routes(plans: Sequence[RailPlan], spans: Sequence[tuple[int, int]], wei
 
 
 def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: Sequence[SlotExpert | None],
-                 groups: EPGroups, tile_rows: int, counts: list, backend: str) -> torch.Tensor:
-    """Intra-node exchange + experts + weighted sum per pool row for one set of relay routes."""
-    S = len(slots)
-    send_GS, recv_GS = node_counts(relay, groups, S)
+                 groups: EPGroups, tile_rows: int, counts: list, backend: str,
+                 known: tuple[list[list[int]], list[list[int]]] | None = None) -> torch.Tensor:
+    """Intra-node exchange + experts + weighted sum per pool row for one set of relay routes (`known`: its
+    `node_counts`, when already exchanged)."""
+    send_GS, recv_GS = known or node_counts(relay, groups, len(slots))
     counts.append((send_GS, recv_GS))
     rows_RD = gather_rows(pool_D, relay.pool_R, backend=backend)
     out_RD = expert_exchange(rows_RD, send_GS, recv_GS, slots, groups, tile_rows)
@@ -356,12 +357,14 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
 
     relay_own = _own_routes(plans, spans, weights_TK, groups, S)
     part_of_R = relay_own.pool_R * (C + 1) // max(1, T)  # own-node part of each route, by token
+    own_parts = [_select(relay_own, part_of_R == p) for p in range(C + 1)]
+    own_counts = node_counts_many(own_parts, groups, S)  # one exchange for every own-node round
     counts: list = []
     own_TD = None
 
     def own_part(p: int) -> None:
         nonlocal own_TD
-        part = _local_round(x_TD, _select(relay_own, part_of_R == p), T, slots, groups, tile_rows, counts, backend)
+        part = _local_round(x_TD, own_parts[p], T, slots, groups, tile_rows, counts, backend, own_counts[p])
         own_TD = part if own_TD is None else own_TD + part
 
     for c, ch in enumerate(chunks):
