@@ -98,9 +98,10 @@ class OverlapConfig(_Section):
     (runtime/tile_tuner.py). `rail_chunks`: the inter-node transfer is cut into this many token chunks, so
     the relays compute each chunk while the next one travels and each chunk's results start back as soon as
     they are ready (1: one transfer each way; `"auto"`: 1, 2 or 4, whichever forward is fastest, tried after
-    the tile size is settled)."""
+    the tile size is settled). `enabled: "auto"`: after that, one forward overlapped and one phased, and the
+    faster schedule stays (the overlap costs CPU cycles where compute dominates)."""
 
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = False
     tile_rows: int | Literal["auto"] = "auto"
     rail_chunks: int | Literal["auto"] = 2
 

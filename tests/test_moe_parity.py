@@ -92,7 +92,7 @@ CASES = {
     "overlap_k2_dropless_tiles": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],
                                       overlap={"enabled": True, "tile_rows": 3}),
     "overlap_k1_capacity_auto_tiles": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16],
-                                           overlap={"enabled": True, "rail_chunks": "auto"}),
+                                           overlap={"enabled": "auto", "rail_chunks": "auto"}),
     "overlap_rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0],
                                         overlap={"enabled": True, "tile_rows": 4}),
     "overlap_one_rail_chunk": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5],

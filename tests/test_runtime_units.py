@@ -198,21 +198,31 @@ def test_overlap_tuner_settles_tiles_then_rail_chunks(monkeypatch) -> None:
     cost = {64: 2.0, 128: 1.0}  # tile rows -> seconds; rail chunks add 4 -> 0.5, 2 -> 0.1, 1 -> 0.3
     extra = {1: 0.3, 2: 0.1, 4: 0.5}
     seen = []
-    for _ in range(7):
-        rows, chunks, timed = tuner.settings(4096, "auto", "auto")
-        seen.append((rows, chunks))
+    tuner.mode = tile_tuner.ChoiceTuner((1, 0), warmup=0)
+    phased_seconds = 1.05  # faster than the best overlapped forward (128 tile rows, 2 chunks: 1.1)
+    seen = []
+    for _ in range(9):
+        choice = tuner.settings(4096, "auto", "auto", "auto")
+        seen.append((choice.overlap, choice.tile_rows, choice.rail_chunks))
+        timed = choice.timed
         started = timed.start(torch.device("cpu")) if timed else None
-        now["t"] += cost[rows] + extra[chunks]
+        now["t"] += cost[choice.tile_rows] + extra[choice.rail_chunks] if choice.overlap else phased_seconds
         if timed:
             timed.record(started, torch.device("cpu"), groups)
-    # tiles timed with the chunk guess, then chunks timed with the chosen tile size, then fixed
-    assert seen[:5] == [(64, 2), (128, 2), (128, 1), (128, 2), (128, 4)]
-    assert tuner.chosen() == {"tile_rows": 128, "rail_chunks": 2} and seen[5:] == [(128, 2)] * 2
+    # tiles timed with the chunk guess, then chunks with the chosen tile size, then overlapped vs phased
+    assert seen[:7] == [(True, 64, 2), (True, 128, 2), (True, 128, 1), (True, 128, 2), (True, 128, 4),
+                        (True, 128, 2), (False, 128, 2)]
+    assert tuner.chosen() == {"tile_rows": 128, "rail_chunks": 2, "overlap": 0}  # phased won: 1.05 < 1.1
+    assert seen[7:] == [(False, 128, 2)] * 2
     # fixed settings are passed through and nothing is timed
-    assert tile_tuner.OverlapTuner().settings(4096, 32, 3) == (32, 3, None)
+    fixed = tile_tuner.OverlapTuner().settings(4096, 32, 3)
+    assert (fixed.overlap, fixed.tile_rows, fixed.rail_chunks, fixed.timed) == (True, 32, 3, None)
 
 
 def test_overlap_config_validates_rail_chunks() -> None:
+    assert parse_cobalt_config({"overlap": {"enabled": "auto"}}).overlap.enabled == "auto"
+    with pytest.raises(ValueError, match=r"cobalt\.overlap\.enabled"):
+        parse_cobalt_config({"overlap": {"enabled": "sometimes"}})
     assert parse_cobalt_config({}).overlap.rail_chunks == 2
     assert parse_cobalt_config({"overlap": {"rail_chunks": "auto"}}).overlap.rail_chunks == "auto"
     for bad in (0, 65, "many"):

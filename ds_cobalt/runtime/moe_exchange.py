@@ -53,7 +53,7 @@ def bind(slot: SlotExpert) -> Callable[[torch.Tensor], torch.Tensor]:
 class OverlapSettings(Protocol):
     """What `moe_exchange` reads of the overlap settings (`ds_cobalt.config.OverlapConfig`)."""
 
-    enabled: bool
+    enabled: bool | str
     tile_rows: int | str
     rail_chunks: int | str
 
@@ -65,18 +65,29 @@ def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torc
     """`[T, D]` combined expert outputs (router weights applied) and the step's traffic.
 
     `"auto"` overlap settings let `tuner` pick them from a few timed forwards."""
+    choice = None
     if overlap.enabled:
-        tile_rows, rail_chunks, timed = tuner.settings(x_TD.shape[1] * x_TD.element_size(), overlap.tile_rows,
-                                                       overlap.rail_chunks)
-        started = timed.start(x_TD.device) if timed is not None else None
-        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, tile_rows,
-                                         deepspeed_capacity, backend, rail_chunks)
-        if timed is not None:
-            timed.record(started, x_TD.device, groups)
-            if timed.chosen is not None and groups.topology.rank == 0:
-                _log.info("ds_cobalt overlap: chose %s from %s (forward seconds %s)", tuner.chosen(),
-                          timed.candidates, [round(t, 5) for t in timed.times])
-        return out_TD, traffic
+        choice = tuner.settings(x_TD.shape[1] * x_TD.element_size(), overlap.tile_rows, overlap.rail_chunks,
+                                overlap.enabled)
+    timed = choice.timed if choice is not None else None
+    started = timed.start(x_TD.device) if timed is not None else None
+    if choice is not None and choice.overlap:
+        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, choice.tile_rows,
+                                         deepspeed_capacity, backend, choice.rail_chunks)
+    else:
+        out_TD, traffic = _phased(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, deepspeed_capacity,
+                                  backend)
+    if timed is not None:
+        timed.record(started, x_TD.device, groups)
+        if timed.chosen is not None and groups.topology.rank == 0:
+            _log.info("ds_cobalt overlap: chose %s from %s (forward seconds %s)", tuner.chosen(),
+                      timed.candidates, [round(t, 5) for t in timed.times])
+    return out_TD, traffic
+
+
+def _phased(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, placement: LayerPlacement,
+            groups: EPGroups, slots: Sequence[SlotExpert | None], deepspeed_capacity: int,
+            backend: str) -> tuple[torch.Tensor, StepTraffic]:
     rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups,
                                deepspeed_capacity=deepspeed_capacity, backend=backend)
     out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,

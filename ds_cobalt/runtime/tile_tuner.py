@@ -5,7 +5,8 @@ compute can start but pay a per-message cost; the guess aims at messages of `tar
 the tuner times the layer's forward at a few sizes around the guess. Rail chunks (`overlap.rail_chunks:
 "auto"`): more chunks hide more of the relays' compute behind the inter-node transfer but add a count
 exchange and messages per chunk; the guess is 2, then 1, 2 and 4 are timed (after the tile size is fixed,
-so the two measurements do not mix). Each trial is one forward after one warm-up; the fastest wins. Every rank
+so the two measurements do not mix). Overlap itself (`overlap.enabled: "auto"`): with the chosen tiles and
+chunks, one forward overlapped and one phased; the faster schedule stays. Each trial is one forward after one warm-up; the fastest wins. Every rank
 of the EP group walks the same candidate list and agrees on the winner through one all-reduce, because
 sender and receiver must cut rows into the same tiles and chunks.
 """
@@ -13,6 +14,7 @@ sender and receiver must cut rows into the same tiles and chunks.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -80,16 +82,26 @@ class TileTuner(ChoiceTuner):
         return self.value()
 
 
+@dataclass(frozen=True)
+class OverlapChoice:
+    overlap: bool  # overlapped schedule (else the phased one)
+    tile_rows: int
+    rail_chunks: int
+    timed: ChoiceTuner | None  # the tuner this forward is a trial of
+
+
 class OverlapTuner:
-    """Per-layer state for the `"auto"` overlap settings: tile rows first, then rail chunks."""
+    """Per-layer state for the `"auto"` overlap settings: tile rows first, then rail chunks, then (with
+    `enabled: "auto"`) overlapped vs phased with the chosen tiles and chunks."""
 
     def __init__(self) -> None:
         self.tiles = TileTuner()
         self.chunks = ChoiceTuner(RAIL_CHUNK_CANDIDATES)
+        self.mode = ChoiceTuner((1, 0))  # 1: overlapped, 0: phased
 
-    def settings(self, row_bytes: int, tile_rows: int | str,
-                 rail_chunks: int | str) -> tuple[int, int, ChoiceTuner | None]:
-        """`(tile_rows, rail_chunks, tuner to time this forward with or None)` for the configured values."""
+    def settings(self, row_bytes: int, tile_rows: int | str, rail_chunks: int | str,
+                 enabled: bool | str = True) -> OverlapChoice:
+        """What this forward runs with, for the configured values; at most one tuner is on trial at a time."""
         timing: ChoiceTuner | None = None
         if tile_rows == "auto":
             tile_rows = self.tiles.tile_rows(row_bytes)
@@ -101,7 +113,13 @@ class OverlapTuner:
                 timing = None if self.chunks.chosen is not None else self.chunks
             else:
                 rail_chunks = RAIL_CHUNKS_GUESS
-        return int(tile_rows), int(rail_chunks), timing
+        overlap = bool(enabled)
+        if enabled == "auto":
+            overlap = True
+            if timing is None:
+                overlap = bool(self.mode.value())
+                timing = None if self.mode.chosen is not None else self.mode
+        return OverlapChoice(overlap, int(tile_rows), int(rail_chunks), timing)
 
     def chosen(self) -> dict[str, int | None]:
-        return {"tile_rows": self.tiles.chosen, "rail_chunks": self.chunks.chosen}
+        return {"tile_rows": self.tiles.chosen, "rail_chunks": self.chunks.chosen, "overlap": self.mode.chosen}
