@@ -8,6 +8,8 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
+  (opt-in) cobalt-placement-overlap-auto   (c) + `overlap.enabled: "auto"`: tuned tiles and rail chunks,
+                        then overlapped or phased, whichever forward is faster
 One `benchmarks/cluster/run_cluster.sh` job per (rate, variant), one after the other (2 cores). Each writes
 `OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`). Prints, per rate,
 tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, and the
@@ -37,6 +39,10 @@ VARIANTS = {
     "cobalt-placement-overlap": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
         "overlap": {"enabled": True},
+    }},
+    "cobalt-placement-overlap-auto": {"impl": "cobalt", "cobalt": {  # not run by default
+        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
+        "overlap": {"enabled": "auto", "rail_chunks": "auto"},
     }},
 }
 
@@ -105,7 +111,8 @@ def markdown(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if not v.endswith("-auto")],
+                   choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--config", default="ds_config_templates/cpu_2nodes_x_2ranks.json")

@@ -3,12 +3,12 @@
 Legend: E experts, W EP ranks, S slots per rank, P = E / W owner slots per rank, F floats in one expert row.
 
 Every rank owns P experts in every layer, so a new layout is a permutation of owner slots. An expert that
-changes (rank, slot) travels as one fp32 row holding, per parameter: the model weight, the fp32 master
-copy, the optimizer moments (e.g. Adam `exp_avg`, `exp_avg_sq`) and, where the optimizer keeps one per
-parameter, its `step`. Rows are read and written through DeepSpeed's tensor-fragment API
-(`safe_get/set_full_fp32_param`, `safe_get/set_full_optimizer_state`) under ZeRO-1/2 and DeepSpeed's
-bf16 optimizer, through the unfused optimizer's fp32 copies for bf16/fp16 without ZeRO, and through the
-torch optimizer state for fp32 without ZeRO.
+changes (rank, slot) travels as one fp32 row holding, per piece (a parameter of `ds_cobalt.MoE`'s expert
+module, or one row of each of an AutoEP layer's fused tensors): the model weight, the fp32 master copy, the
+optimizer moments (e.g. Adam `exp_avg`, `exp_avg_sq`) and, where the optimizer keeps one per parameter, its
+`step`. `expert_state.py` reads and writes them (DeepSpeed's tensor-fragment API under ZeRO-1/2 and its
+bf16 optimizer; the unfused optimizer's fp32 copies for bf16/fp16 without ZeRO; the torch optimizer state
+for fp32 without ZeRO).
 
 Two phases: (1) read the rows of moving experts, all-to-all them over the EP group into a staging buffer
 (nothing is written); (2) one all_reduce confirms success on every rank, then each rank writes the staged
