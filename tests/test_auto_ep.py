@@ -119,19 +119,14 @@ def _steps(engine, data: list, steps: range, before_step=None) -> list[float]:
 
 
 def _random_migrations(engine, step: int) -> None:
+    import ds_cobalt
     from ds_cobalt.integrations.migration import migrate
 
     if step in RANDOM_MIGRATIONS:
         rng = np.random.default_rng(step)
-        layers = ds_cobalt_layers(engine)
+        layers = ds_cobalt.cobalt_layers(engine)
         layouts = [rng.permutation(layer.num_experts).reshape(4, -1) for layer in layers]
         migrate(engine, layouts, reason="test", asynchronous=step % 2 == 1)
-
-
-def ds_cobalt_layers(engine) -> list:
-    import ds_cobalt
-
-    return ds_cobalt.cobalt_layers(engine)
 
 
 def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace: str | None = None,
@@ -139,6 +134,7 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
     """impl: "autoep" (plain), "cobalt" (dispatcher only, records a trace), "migrating" (MIGRATING, random
     migrations, then a checkpoint in the migrated layout, two steps off course, a module-only reload with the
     portable optimizer state, and AFTER_SAVE more steps)."""
+    import ds_cobalt
     from ds_cobalt.integrations.auto_ep import CobaltAutoEPLayer
 
     out: dict = {}
@@ -153,7 +149,7 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         cobalt, steps = OVERLAP, min(steps, OVERLAP_STEPS)
     engine = _engine(family, zero_stage, cobalt)
     if cobalt is not None:
-        layers = ds_cobalt_layers(engine)
+        layers = ds_cobalt.cobalt_layers(engine)
         assert layers and all(isinstance(layer, CobaltAutoEPLayer) for layer in layers)
         out["layers"] = len(layers)
         out["topology"] = [(t.nodes, t.node, t.local_rank) for t in (layers[0].topology,)]
@@ -165,17 +161,15 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
     hook = _random_migrations if impl == "migrating" else None
     out["losses"] = _steps(engine, data, range(steps), hook)
     if cobalt is not None:
-        import ds_cobalt
-
         out["traffic"] = ds_cobalt.traffic_summary(engine)
-        out["load"] = [float(layer.stats.load_E.sum()) for layer in ds_cobalt_layers(engine)]
+        out["load"] = [float(layer.stats.load_E.sum()) for layer in ds_cobalt.cobalt_layers(engine)]
     if impl == "migrating":
         from ds_cobalt.integrations.migration import flush_pending
 
         flush_pending(engine)
         reports = getattr(engine, "cobalt_migrations", [])
         out["migrations"] = [(r.reason, r.ok, len(r.moved)) for r in reports]
-        out["layouts"] = [layer.layout_slots.tolist() for layer in ds_cobalt_layers(engine)]
+        out["layouts"] = [layer.layout_slots.tolist() for layer in ds_cobalt.cobalt_layers(engine)]
         engine.save_checkpoint(checkpoint, tag="t")
         _steps(engine, data[::-1], range(2))  # moves weights and optimizer state away from the checkpoint
         # weights from DeepSpeed's files, optimizer state from ds_cobalt's portable state (fused rows by expert)

@@ -23,7 +23,7 @@ from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_st
 
 Piece = tuple[torch.nn.Parameter, "int | None"]
 
-__all__ = ["Piece", "ExpertStateIO", "relink_optimizer_state"]
+__all__ = ["Piece", "ExpertStateIO", "piece_numel", "relink_optimizer_state"]
 
 
 def relink_optimizer_state(optimizer: Any) -> bool:
@@ -85,7 +85,7 @@ class ExpertStateIO:
         return self.fields if piece[1] is None else [f for f in self.fields if f != "step"]
 
     def row_size(self, pieces: Sequence[Piece]) -> int:
-        return sum(1 if f == "step" else _numel(piece) for piece in pieces for f in self.fields_of(piece))
+        return sum(1 if f == "step" else piece_numel(piece) for piece in pieces for f in self.fields_of(piece))
 
     def _master_of(self, p: torch.nn.Parameter) -> torch.Tensor:
         return p if self._master is None else self._master[id(p)]
@@ -140,7 +140,7 @@ class ExpertStateIO:
             offset = 0
             for piece in pieces:
                 for field in self.fields_of(piece):
-                    n = 1 if field == "step" else _numel(piece)
+                    n = 1 if field == "step" else piece_numel(piece)
                     self._write_piece(piece, field, flat[offset: offset + n], patched)
                     offset += n
             assert offset == flat.numel(), (offset, flat.numel())
@@ -158,7 +158,7 @@ class ExpertStateIO:
         if self.mode == "fragment" and field != "weight":
             key = (id(p), field)
             if key not in patched:
-                patched[key] = (p, field, self._read(p, field).clone())
+                patched[key] = (p, field, self._read(p, field))  # a fresh full copy (all-reduced)
             patched[key][2][row].copy_(flat.view(p.shape[1:]))
             return
         self._write_local(p, field, flat, lambda t: t[row])
@@ -188,6 +188,7 @@ class ExpertStateIO:
         target.copy_(flat.view_as(target).to(target.dtype))
 
 
-def _numel(piece: Piece) -> int:
+def piece_numel(piece: Piece) -> int:
+    """Elements of a piece's weight: the whole parameter, or one row of it."""
     p, row = piece
     return p.numel() if row is None else p[0].numel()

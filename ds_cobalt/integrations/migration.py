@@ -32,7 +32,7 @@ from deepspeed.utils import logger
 
 from ..runtime.comm import all_to_all_rows
 from ..runtime.placement import build_placement
-from .expert_state import ExpertStateIO, Piece, relink_optimizer_state
+from .expert_state import ExpertStateIO, relink_optimizer_state
 
 __all__ = ["OwnerMoves", "MigrationReport", "PendingMigration", "plan_owner_moves", "migrate", "flush_pending",
            "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "migratable_layers", "moe_layers"]
@@ -124,10 +124,6 @@ def migratable_layers(engine: Any) -> list[Any]:
 moe_layers = migratable_layers  # the name before AutoEP layers migrated too
 
 
-def _pieces(layer: Any, slot: int) -> list[Piece]:
-    return layer.expert_state_pieces(slot)
-
-
 def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, Any, np.ndarray, OwnerMoves]]:
     """Validate the layouts (ValueError before any communication) and plan each layer's owner moves."""
     layers = migratable_layers(engine)
@@ -150,18 +146,18 @@ def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tu
 def _read_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> torch.Tensor:
     """Phase 1 for one layer: the moving experts' rows, read only. Reads of ZeRO fragments are collectives
     of the expert-data-parallel group; they run in the same order on every rank."""
-    pieces = _pieces(layer, 0)
+    pieces = layer.expert_state_pieces(0)
     if not moves.send_slot:
         return torch.zeros((0, io.row_size(pieces)), dtype=torch.float32, device=pieces[0][0].device)
-    return io.read_rows([_pieces(layer, slot) for slot in moves.send_slot])
+    return io.read_rows([layer.expert_state_pieces(slot) for slot in moves.send_slot])
 
 
 def _write_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves, recv: torch.Tensor) -> None:
-    io.write_rows([_pieces(layer, slot) for slot in moves.recv_slot], recv)
+    io.write_rows([layer.expert_state_pieces(slot) for slot in moves.recv_slot], recv)
 
 
 def _traffic(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> tuple[int, int]:
-    row_bytes = io.row_size(_pieces(layer, 0)) * 4
+    row_bytes = io.row_size(layer.expert_state_pieces(0)) * 4
     rank = layer.topology.rank
     return (row_bytes * (sum(moves.send_splits) - moves.send_splits[rank]),
             row_bytes * sum(1 for _, a, b in moves.moved if a != b))
@@ -184,7 +180,7 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
     start = time.perf_counter()
     plans = _plan_layers(engine, new_slots)
     moving = [p for p in plans if not p[3].empty]
-    io = ExpertStateIO(engine, _pieces(moving[0][1], 0)[0][0]) if moving else None
+    io = ExpertStateIO(engine, moving[0][1].expert_state_pieces(0)[0][0]) if moving else None
     if asynchronous:
         return PendingMigration(engine, plans, io, reason, predicted_saving_s, fault_hook, step, start)
     staged: list[torch.Tensor] = []
@@ -201,9 +197,10 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
                         fault_hook("transfer", index)
                 except Exception as err:  # noqa: BLE001 - any failure aborts the whole migration
                     error = f"layer {index}: {type(err).__name__}: {err}"
-            F = io.row_size(_pieces(layer, 0))
+            first = layer.expert_state_pieces(0)
+            F = io.row_size(first)
             if rows is None:
-                device = _pieces(layer, 0)[0][0].device
+                device = first[0][0].device
                 rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
             recv = rows.new_zeros((sum(moves.recv_splits), F))
             try:

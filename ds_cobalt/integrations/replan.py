@@ -29,6 +29,7 @@ from ..planner.layout import Layout
 from ..planner.policies import LayerInput
 from ..planner.stats import RoutingStats, merge_sets, topk_sets
 from ..planner.assign import remote_nodes_per_token
+from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
 
 KEEP, REPLICAS, MIGRATE = 0, 1, 2
@@ -131,7 +132,7 @@ class Replanner:
         first = self.layers[0]
         pieces = first.expert_state_pieces(0)
         elem = pieces[0][0].element_size()
-        expert_params = sum(p.numel() if row is None else p[0].numel() for p, row in pieces)
+        expert_params = sum(piece_numel(piece) for piece in pieces)
         self.link = LinkModel(expert_params=expert_params, weight_bytes_per_param=elem,
                               optimizer_bytes_per_param=12, token_bytes=elem * first.model_dim,
                               inter_node_gbps=self.mig.inter_node_gbps, margin=self.mig.margin)
