@@ -35,9 +35,9 @@ SIZES = {  # name: (T, K, D, N)
 
 
 def run_tests(out: Path) -> dict:
-    """`pytest -m gpu tests/test_kernels.py`; returns pass/fail counts and the exit code."""
+    """`pytest -m gpu tests/kernels/test_kernels.py`; returns pass/fail counts and the exit code."""
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernels.py",
            "-rfEs", "--junitxml", str(out / "pytest_gpu.xml")]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)

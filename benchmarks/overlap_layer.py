@@ -100,15 +100,15 @@ def main() -> None:
     # Lower bound parts, with the same routing as the cobalt layer.
     cobalt = layers["cobalt"]
     gate = cobalt.deepspeed_moe.gate
-    _, cap, _, ids_KT, _, w_KT, _ = gate(x, None, True, False)
-    groups, placement = cobalt._require_groups(), cobalt._placement
+    _, _, _, ids_KT, _, w_KT, _ = gate(x, None, True, False)
+    groups, placement = cobalt.cobalt_core.groups, cobalt.cobalt_core.placement
 
     def comm_only() -> None:
         inp = x.clone().requires_grad_(True)
-        rows, handle = dispatch(inp, ids_KT.t().long(), w_KT.t().detach(), placement, groups, int(cap))
+        rows, handle = dispatch(inp, ids_KT.t().long(), w_KT.t().detach(), placement, groups)
         combine(rows * 1.0, handle, groups).sum().backward()
 
-    rows_QD, handle = dispatch(x, ids_KT.t().long(), w_KT.t().detach(), placement, groups, int(cap))
+    rows_QD, handle = dispatch(x, ids_KT.t().long(), w_KT.t().detach(), placement, groups)
     experts = list(cobalt.deepspeed_moe.experts.deepspeed_experts)
 
     def compute_only() -> None:

@@ -14,8 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "MoE": "ds_cobalt.integrations.deepspeed_moe",
     "initialize": "ds_cobalt.integrations.engine",
-    "traffic_summary": "ds_cobalt.integrations.engine",
-    "cobalt_layers": "ds_cobalt.integrations.engine",
+    "traffic_summary": "ds_cobalt.integrations.layers",
+    "cobalt_layers": "ds_cobalt.integrations.layers",
+    "CobaltEngine": "ds_cobalt.integrations.cobalt_engine",
     "CobaltConfig": "ds_cobalt.config",
     "parse_cobalt_config": "ds_cobalt.config",
     "CobaltCallback": "ds_cobalt.integrations.hf",  # also `ds_cobalt.hf.CobaltCallback`

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.module_inject.auto_ep_comm import COMM_BACKEND
@@ -25,24 +24,18 @@ from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
 from deepspeed.moe.ep_experts import apply_expert_activation
 
 from ..config import CobaltConfig
-from ..planner.layout import contiguous_layout
-from ..runtime.moe_exchange import moe_exchange, slot_experts
-from ..runtime.placement import LayerPlacement, build_placement
-from ..runtime.replicas import ReplicaPlan, plan_replicas
-from ..runtime.stats import DeviceRoutingStats
-from ..runtime.tile_tuner import OverlapTuner
+from ..runtime.layer import ExpertBinding, LayerCore, Piece
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
-from ..runtime.traffic import TrafficCounters
-from .engine import register_layer_type
-from .expert_state import Piece
+from .layers import CoreAccess
 
 
-class CobaltAutoEPLayer(AutoEPMoELayer):
+class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
     """An `AutoEPMoELayer` whose dispatch/combine is ds_cobalt's two-stage deduplicating one.
 
     Not constructed directly: `adopt_auto_ep_layers` (called by `ds_cobalt.initialize` and by
     `ds_cobalt.hf.CobaltCallback`) converts the layers DeepSpeed built. Experts are AutoEP's fused
-    `experts.w1/w2/w3` `[E_local, ...]` tensors; slot s of this rank computes with `w*[s]`.
+    `experts.w1/w2/w3` `[E_local, ...]` tensors; slot s of this rank computes with `w*[s]`. ds_cobalt's
+    per-layer state lives in `cobalt_core` (`ds_cobalt.runtime.layer.LayerCore`).
 
     Traffic counters: AutoEP's all-to-all sends one row per (token, expert) each way, so its cross-node
     volume is `deepspeed_inter_node_bytes_dropless`; `deepspeed_inter_node_bytes_padded` stays 0 (no E x C
@@ -50,12 +43,7 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
     """
 
     cobalt_config: CobaltConfig
-    traffic: TrafficCounters
-    stats: DeviceRoutingStats
-    trace_rows: list[torch.Tensor] | None
-    _groups: EPGroups
-    _placement: LayerPlacement
-    _replica_plan: ReplicaPlan | None
+    cobalt_core: LayerCore
 
     @classmethod
     def adopt(cls, layer: AutoEPMoELayer, config: CobaltConfig, groups: EPGroups) -> CobaltAutoEPLayer:
@@ -64,56 +52,19 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         layer.__class__ = cls
         assert isinstance(layer, cls)
         layer.cobalt_config = config
-        layer.traffic = TrafficCounters()
-        layer.stats = DeviceRoutingStats(
-            layer.num_experts, layer.top_k, device=layer.router.gate.weight.device
-        )
-        layer.trace_rows = None
-        layer._groups = groups
-        layer._replica_plan = None
-        layer.tile_tuner = OverlapTuner()
+        gate = layer.router.gate.weight
+        layer.cobalt_core = LayerCore(
+            num_experts=layer.num_experts, top_k=layer.top_k, owner_slots=layer.num_local_experts,
+            model_dim=int(gate.shape[1]), settings=config, owner=layer, pieces=layer.expert_state_pieces,
+            device=lambda: gate.device)
         experts = layer.experts
         # not a submodule (no parameters, not in state dicts): bound to weight rows at each call
         object.__setattr__(layer, "_expert_module", FusedExpertMLP(
             experts.activation, experts.activation_alpha, experts.activation_limit))
-        topo = groups.topology
-        layer._install_layout(contiguous_layout(layer.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
+        layer.cobalt_core.attach(groups)
         return layer
 
-    # ----- layout (same contract as ds_cobalt.MoE) -------------------------------------------------
-    @property
-    def topology(self) -> Topology:
-        return self._groups.topology
-
-    @property
-    def layout_slots(self) -> np.ndarray:
-        """`[W, S]` slots of this layer's current layout (EP ranks)."""
-        return self._placement.slots_WS
-
-    def set_layout(self, slots_WS: np.ndarray) -> None:
-        """Use a new layout (e.g. with replica slots). Owner slots must stay as they are (moving owners is
-        migration: `ds_cobalt.integrations.migration.migrate`)."""
-        topo = self._groups.topology
-        slots_WS = np.asarray(slots_WS, dtype=np.int64)
-        if slots_WS.ndim != 2 or slots_WS.shape[0] != topo.world_size:
-            raise ValueError(f"layout slots must be [{topo.world_size}, S], got {list(slots_WS.shape)}")
-        per_rank = self.num_local_experts
-        if not np.array_equal(slots_WS[:, :per_rank], self._placement.slots_WS[:, :per_rank]):
-            raise ValueError("set_layout: owner slots differ from the current layout; moving owners needs migration")
-        self._install_layout(slots_WS)
-
-    def _install_layout(self, slots_WS: np.ndarray) -> None:
-        """Switch lookup tables to `slots_WS`; the caller guarantees the fused weights' rows match it."""
-        topo = self._groups.topology
-        self._placement = build_placement(
-            slots_WS, topo.ranks_per_node, self.num_experts, self.router.gate.weight.device
-        )
-        self._replica_plan = plan_replicas(self._placement, topo.rank)
-
-    def _require_groups(self) -> EPGroups:
-        return self._groups
-
-    # ----- migration (integrations/migration.py) ---------------------------------------------------
+    # ----- training state (integrations/migration.py) ----------------------------------------------
     def expert_state_pieces(self, slot: int) -> list[Piece]:
         """The expert in owner slot `slot`: row `slot` of each fused tensor."""
         experts = self.experts
@@ -130,24 +81,11 @@ class CobaltAutoEPLayer(AutoEPMoELayer):
         ro = RouterOutput(*self.router(x_TD, self.expert_bias))  # AutoEP's routing, unchanged
         with torch.no_grad():
             self.tokens_per_expert.add_(ro.num_tokens_per_expert)
-        topk_ids_TK = ro.selected_experts.long()
-        self.stats.update(topk_ids_TK)
-        if self.trace_rows is not None:
-            self.trace_rows.append(topk_ids_TK.detach().cpu())
-
-        groups = self._groups
         experts = self.experts
-        owner = [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)]
-        slots, anchor = slot_experts(self._expert_module, _FUSED_NAMES, owner, self._placement, self._replica_plan,
-                                     groups)
-        output, traffic = moe_exchange(x_TD, topk_ids_TK, ro.top_scores, self._placement, groups, slots,
-                                       overlap=self.cobalt_config.overlap, tuner=self.tile_tuner,
-                                       deepspeed_capacity=0, backend=self.cobalt_config.kernels.backend)
-        output = output.reshape(bsz, seqlen, hdim)
-        if anchor is not None:
-            output = output + anchor
-        self.traffic.add(traffic)
-        return self._finalize_output(output, x_TD, hidden_states, hdim)
+        binding = ExpertBinding(self._expert_module, _FUSED_NAMES,
+                                [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)])
+        output = self.cobalt_core.run(x_TD, ro.selected_experts.long(), ro.top_scores, binding)
+        return self._finalize_output(output.reshape(bsz, seqlen, hdim), x_TD, hidden_states, hdim)
 
 
 _FUSED_NAMES = ("w1", "w2", "w3")
@@ -257,5 +195,3 @@ def adopt_auto_ep_layers(
 def _single_rank_groups() -> EPGroups:
     return EPGroups(Topology(1, 1, 0), (dist.get_rank(),), None, None, None)
 
-
-register_layer_type(CobaltAutoEPLayer)

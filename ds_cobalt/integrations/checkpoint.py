@@ -20,7 +20,6 @@ then restores every parameter's master copy and optimizer state from it.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -45,33 +44,28 @@ def _owners_contiguous(layer: Any) -> bool:
     return np.array_equal(layer.layout_slots[:, :P], _contiguous(layer))
 
 
-def install_checkpoint_hooks(engine: Any, portable_state: bool = True) -> None:
-    """Wrap `engine.save_checkpoint` / `engine.load_checkpoint` (same signatures and results).
+def save_checkpoint(engine: Any, save: Any, portable_state: bool, save_dir: str, tag: Any = None,
+                    client_state: dict | None = None, *args: Any, **kwargs: Any) -> Any:
+    """`save(save_dir, tag, client_state, ...)` (DeepSpeed's own save) in logical expert order; with
+    `portable_state` also writes the world-size-independent state of `portable.py` beside it."""
+    tag = f"global_step{engine.global_steps}" if tag is None else tag  # DeepSpeed's default tag
+    result = save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
+    if portable_state:
+        save_portable_state(engine, os.path.join(save_dir, str(tag)))
+    return result
 
-    With `portable_state`, every save also writes the world-size-independent state of `portable.py`, and a
-    `load_checkpoint(..., load_module_only=True)` restores the optimizer state from it when present."""
-    save, load = engine.save_checkpoint, engine.load_checkpoint
 
-    @functools.wraps(save)
-    def save_checkpoint(save_dir, tag=None, client_state=None, *args: Any, **kwargs: Any):
-        tag = f"global_step{engine.global_steps}" if tag is None else tag  # DeepSpeed's default tag
-        result = save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
-        if portable_state:
-            save_portable_state(engine, os.path.join(save_dir, str(tag)))
-        return result
-
-    @functools.wraps(load)
-    def load_checkpoint(load_dir, tag=None, *args: Any, **kwargs: Any):
-        result = load_logical(engine, load, load_dir, tag, *args, **kwargs)
-        if portable_state and kwargs.get("load_module_only") and result[0] is not None:
-            directory = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir)))
-            if has_portable_state(directory):
-                load_portable_state(engine, directory)
-                logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state)")
-        return result
-
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
+def load_checkpoint(engine: Any, load: Any, portable_state: bool, load_dir: str, tag: Any = None,
+                    *args: Any, **kwargs: Any) -> Any:
+    """`load(load_dir, tag, ...)` (DeepSpeed's own load) of a logical-order checkpoint, then the saved layout;
+    with `load_module_only=True` and portable state present, the optimizer state from it."""
+    result = load_logical(engine, load, load_dir, tag, *args, **kwargs)
+    if portable_state and kwargs.get("load_module_only") and result[0] is not None:
+        directory = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir)))
+        if has_portable_state(directory):
+            load_portable_state(engine, directory)
+            logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state)")
+    return result
 
 
 def _latest_tag(load_dir: str) -> str:
@@ -114,17 +108,17 @@ def load_logical(engine: Any, load: Any, load_dir: str, tag: Any = None, *args: 
     layers = migratable_layers(engine)
     before = [layer.layout_slots.copy() for layer in layers]
     for layer in layers:  # DeepSpeed loads expert files into owner modules in contiguous order
-        layer._install_layout(_contiguous(layer))
+        layer.install_layout(_contiguous(layer))
     try:
         result = load(load_dir, tag, *args, **kwargs)
     except BaseException:
         for layer, slots in zip(layers, before):
-            layer._install_layout(slots)
+            layer.install_layout(slots)
         raise
     path, client_state = result
     if path is None:  # nothing loaded: the parameters still match the old tables
         for layer, slots in zip(layers, before):
-            layer._install_layout(slots)
+            layer.install_layout(slots)
         return result
     relink_optimizer_state(engine.optimizer)
     meta = (client_state or {}).get(CLIENT_KEY)

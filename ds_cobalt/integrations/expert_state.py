@@ -32,7 +32,7 @@ def relink_optimizer_state(optimizer: Any) -> bool:
     DeepSpeed 0.19.8 links the fragments once, right after the first param group's first step, so
     groups stepped later (the expert groups) keep an empty link, and a `load_state_dict` replaces the
     state tensors behind the links. Re-linking reads `optimizer.state` afresh. Returns True when the
-    optimizer has such links (private attributes, pinned by tests/test_migration.py).
+    optimizer has such links (private attributes, pinned by tests/integrations/test_migration.py).
     """
     if not (hasattr(optimizer, "_hp_optimizer_states_linked")
             and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state")):

@@ -9,8 +9,8 @@ The `"cobalt"` section stays in the DeepSpeed JSON: neither the Trainer's config
 - at `on_init_end` (before the Trainer builds the DeepSpeed engine): parses the section (errors name the key)
   and applies it to the model's `ds_cobalt.MoE` layers;
 - at `on_train_begin` (the engine exists; with `"expert_parallel"` AutoEP has replaced the MoE blocks):
-  converts the AutoEP layers to ds_cobalt's dispatcher (`auto_ep.adopt_auto_ep_layers`) and installs
-  ds_cobalt's per-step hooks on the engine, as `ds_cobalt.initialize` does;
+  converts the AutoEP layers to ds_cobalt's dispatcher (`auto_ep.adopt_auto_ep_layers`) and makes the engine
+  a `CobaltEngine` (step hooks, checkpoints), as `ds_cobalt.initialize` does;
 - at `on_log` (training logging steps): adds `cobalt/*` metrics to the logs (so the printed logs,
   `state.log_history`, TensorBoard and other reporters get them): traffic since the previous logging step,
   summed over ranks, and expert load imbalance. Collective: every rank logs at the same steps, as the
@@ -30,7 +30,10 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ..config import CobaltConfig, parse_cobalt_config, split_deepspeed_config
-from .engine import _install_step_hooks, _step_hooks, cobalt_layers
+from .auto_ep import adopt_auto_ep_layers
+from .cobalt_engine import CobaltEngine
+from .engine import configure_layers
+from .layers import layer_cores
 
 PREFIX = "cobalt/"
 _TRAFFIC_KEYS = (
@@ -76,13 +79,10 @@ class CobaltCallback(TrainerCallback):
             # run first, so the metrics this callback adds in on_log reach every reporter after it
             callbacks = trainer.callback_handler.callbacks
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
-        for layer in cobalt_layers(model) if model is not None else []:
-            if hasattr(layer, "configure_cobalt"):
-                layer.configure_cobalt(self.config)
+        if model is not None:
+            configure_layers(model, self.config)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs: Any) -> None:
-        from .auto_ep import adopt_auto_ep_layers
-
         config = self.config or self._resolve_config()
         engine = self._engine()
         target = engine if engine is not None else model
@@ -93,9 +93,8 @@ class CobaltCallback(TrainerCallback):
             zero_stage=stage if isinstance(stage, int) else None,
             expert_parallel=self._ds_config.get("expert_parallel", {}),
         )
-        if engine is not None and self._hooked_engine != id(engine) and cobalt_layers(engine):
-            engine.cobalt_config = config
-            _install_step_hooks(engine, _step_hooks(engine, config))
+        if engine is not None and self._hooked_engine != id(engine) and layer_cores(engine):
+            CobaltEngine.adopt(engine, config)
             self._hooked_engine = id(engine)
         self._previous = None
         self._window(model)  # baseline for the first logging window
@@ -112,7 +111,7 @@ class CobaltCallback(TrainerCallback):
     # ----- metrics -------------------------------------------------------------------------------
     def metrics(self, model: torch.nn.Module) -> dict[str, float]:
         """ds_cobalt metrics since the previous call, summed over ranks (collective when distributed)."""
-        layers = cobalt_layers(model)
+        layers = layer_cores(model)
         if not layers:
             return {}
         window = self._window(model)
@@ -147,7 +146,7 @@ class CobaltCallback(TrainerCallback):
     def _migration_metrics(self) -> dict[str, float]:
         """Owner migrations finished since the previous log (every rank keeps the same reports)."""
         engine = self._engine()
-        if engine is None or not cobalt_layers(engine):
+        if engine is None or not layer_cores(engine):
             return {}
         reports = getattr(engine, "cobalt_migrations", [])
         new, self._reports_seen = reports[self._reports_seen:], len(reports)
@@ -158,7 +157,7 @@ class CobaltCallback(TrainerCallback):
 
     def _window(self, model: torch.nn.Module | None) -> torch.Tensor:
         """Counters since the previous call (traffic per layer, then each load_E), summed over ranks."""
-        layers = cobalt_layers(model) if model is not None else []
+        layers = layer_cores(model) if model is not None else []
         if not layers:
             return torch.zeros(0, dtype=torch.float64)
         device = layers[0].stats.load_E.device

@@ -30,9 +30,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
+from ..planner.owner_moves import OwnerMoves, plan_owner_moves
 from ..runtime.comm import all_to_all_rows
+from ..runtime.layer import LayerCore
 from ..runtime.placement import build_placement
 from .expert_state import ExpertStateIO, relink_optimizer_state
+from .layers import layer_cores
 
 __all__ = ["OwnerMoves", "MigrationReport", "PendingMigration", "plan_owner_moves", "migrate", "flush_pending",
            "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "migratable_layers", "moe_layers"]
@@ -49,55 +52,6 @@ def set_fault_hook(hook: FaultHook | None) -> None:
     _FAULT_HOOK = hook
 
 
-# ------------------------------------------------------------------------------------------ planning
-@dataclass(frozen=True)
-class OwnerMoves:
-    """One layer's owner permutation seen from one rank. Rows of one (source, destination) pair are
-    ordered by new slot on both sides."""
-
-    send_slot: tuple[int, ...]  # old owner slot of each row this rank sends
-    send_splits: tuple[int, ...]  # rows to each EP rank (this rank included for in-rank slot changes)
-    recv_slot: tuple[int, ...]  # new owner slot filled by each row received
-    recv_splits: tuple[int, ...]  # rows from each EP rank
-    moved: tuple[tuple[int, int, int], ...]  # (expert, old rank, new rank) of every expert that moves
-
-    @property
-    def empty(self) -> bool:
-        return not self.moved
-
-
-def _owners(slots_WS: np.ndarray, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(rank_E, slot_E)`: owner rank and owner slot of every expert."""
-    owners = np.asarray(slots_WS)[:, :per_rank]
-    E = owners.size
-    rank_E = np.empty(E, dtype=np.int64)
-    slot_E = np.empty(E, dtype=np.int64)
-    rank_E[owners.reshape(-1)] = np.repeat(np.arange(owners.shape[0]), per_rank)
-    slot_E[owners.reshape(-1)] = np.tile(np.arange(per_rank), owners.shape[0])
-    return rank_E, slot_E
-
-
-def plan_owner_moves(old_WS: np.ndarray, new_WS: np.ndarray, per_rank: int, rank: int) -> OwnerMoves:
-    old_rank, old_slot = _owners(old_WS, per_rank)
-    new_rank, new_slot = _owners(new_WS, per_rank)
-    W = int(np.asarray(old_WS).shape[0])
-    moving = [e for e in range(old_rank.size)
-              if (old_rank[e], old_slot[e]) != (new_rank[e], new_slot[e])]
-    send_slot: list[int] = []
-    send_splits: list[int] = []
-    recv_slot: list[int] = []
-    recv_splits: list[int] = []
-    for peer in range(W):
-        out = sorted((e for e in moving if old_rank[e] == rank and new_rank[e] == peer), key=lambda e: new_slot[e])
-        send_slot += [int(old_slot[e]) for e in out]
-        send_splits.append(len(out))
-        inc = sorted((e for e in moving if new_rank[e] == rank and old_rank[e] == peer), key=lambda e: new_slot[e])
-        recv_slot += [int(new_slot[e]) for e in inc]
-        recv_splits.append(len(inc))
-    moved = tuple((int(e), int(old_rank[e]), int(new_rank[e])) for e in moving)
-    return OwnerMoves(tuple(send_slot), tuple(send_splits), tuple(recv_slot), tuple(recv_splits), moved)
-
-
 # ----------------------------------------------------------------------------------------- migration
 @dataclass(frozen=True)
 class MigrationReport:
@@ -112,19 +66,17 @@ class MigrationReport:
     error: str | None = None  # this rank's error, if it failed here
 
 
-def migratable_layers(engine: Any) -> list[Any]:
-    """The ds_cobalt layers of an engine, in module order: `ds_cobalt.MoE` and converted AutoEP layers. Each
-    offers `layout_slots`, `num_local_experts`, `_install_layout`, `_require_groups` and
-    `expert_state_pieces(slot)` (the parameters, or fused-tensor rows, of the expert in an owner slot)."""
-    from .engine import cobalt_layers
-
-    return [layer for layer in cobalt_layers(engine) if hasattr(layer, "expert_state_pieces")]
+def migratable_layers(engine: Any) -> list[LayerCore]:
+    """The `LayerCore` of every ds_cobalt layer of an engine, in module order (`ds_cobalt.MoE` and converted
+    AutoEP layers): what migration, checkpoints and the replanner work on."""
+    return layer_cores(engine)
 
 
 moe_layers = migratable_layers  # the name before AutoEP layers migrated too
 
 
-def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, Any, np.ndarray, OwnerMoves]]:
+def _plan_layers(engine: Any,
+                 new_slots: Sequence[np.ndarray | None]) -> list[tuple[int, LayerCore, np.ndarray, OwnerMoves]]:
     """Validate the layouts (ValueError before any communication) and plan each layer's owner moves."""
     layers = migratable_layers(engine)
     if len(new_slots) != len(layers):
@@ -143,7 +95,7 @@ def _plan_layers(engine: Any, new_slots: Sequence[np.ndarray | None]) -> list[tu
     return plans
 
 
-def _read_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> torch.Tensor:
+def _read_rows(io: ExpertStateIO, layer: LayerCore, moves: OwnerMoves) -> torch.Tensor:
     """Phase 1 for one layer: the moving experts' rows, read only. Reads of ZeRO fragments are collectives
     of the expert-data-parallel group; they run in the same order on every rank."""
     pieces = layer.expert_state_pieces(0)
@@ -152,11 +104,11 @@ def _read_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> torch.Tensor
     return io.read_rows([layer.expert_state_pieces(slot) for slot in moves.send_slot])
 
 
-def _write_rows(io: ExpertStateIO, layer: Any, moves: OwnerMoves, recv: torch.Tensor) -> None:
+def _write_rows(io: ExpertStateIO, layer: LayerCore, moves: OwnerMoves, recv: torch.Tensor) -> None:
     io.write_rows([layer.expert_state_pieces(slot) for slot in moves.recv_slot], recv)
 
 
-def _traffic(io: ExpertStateIO, layer: Any, moves: OwnerMoves) -> tuple[int, int]:
+def _traffic(io: ExpertStateIO, layer: LayerCore, moves: OwnerMoves) -> tuple[int, int]:
     row_bytes = io.row_size(layer.expert_state_pieces(0)) * 4
     rank = layer.topology.rank
     return (row_bytes * (sum(moves.send_splits) - moves.send_splits[rank]),
@@ -174,6 +126,10 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
     `asynchronous=True` returns a `PendingMigration` instead: the transfers run behind the next forward
     and each layer commits in a forward pre-hook, waiting only for its own experts.
     """
+    if asynchronous and not getattr(engine, "commits_pending_migrations", False):
+        raise ValueError("migrate(asynchronous=True) needs an engine that commits pending migrations before "
+                         "its step and checkpoints: a ds_cobalt CobaltEngine (from ds_cobalt.initialize or "
+                         "CobaltCallback); pass asynchronous=False for another engine")
     flush_pending(engine)
     fault_hook = fault_hook or _FAULT_HOOK
     step = int(getattr(engine, "global_steps", 0))
@@ -204,7 +160,7 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
                 rows = torch.zeros((len(moves.send_slot), F), dtype=torch.float32, device=device)
             recv = rows.new_zeros((sum(moves.recv_splits), F))
             try:
-                recv = all_to_all_rows(rows, moves.send_splits, moves.recv_splits, layer._require_groups().ep_group)
+                recv = all_to_all_rows(rows, moves.send_splits, moves.recv_splits, layer.groups.ep_group)
                 if error is None and fault_hook is not None:
                     fault_hook("stage", index)
                 if recv.shape != (sum(moves.recv_splits), F):
@@ -221,7 +177,7 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
             for (index, layer, slots, moves), recv in zip(moving, staged):
                 _write_rows(io, layer, moves, recv)
             for index, layer, slots, moves in plans:
-                layer._install_layout(slots)
+                layer.install_layout(slots)
     report = MigrationReport(
         ok=ok, step=step, reason=reason,
         moved=tuple((index, e, a, b) for index, _, _, moves in moving for e, a, b in moves.moved),
@@ -268,11 +224,11 @@ class PendingMigration:
         rows_of = dict(read)
         for index, layer, slots, moves in plans:
             if moves.empty:
-                layer._install_layout(slots)  # replica-only change: nothing to move
+                layer.install_layout(slots)  # replica-only change: nothing to move
                 continue
             rows = rows_of[index]
             recv, work = rows, None
-            group = layer._require_groups().ep_group
+            group = layer.groups.ep_group
             try:
                 if fault_hook is not None:
                     fault_hook("transfer", index)
@@ -282,11 +238,9 @@ class PendingMigration:
                                                   group=group, async_op=True)
             except Exception as err:  # noqa: BLE001
                 work = _Failed(f"layer {index}: {type(err).__name__}: {err}")
-            hook = layer.register_forward_pre_hook(lambda module, args, index=index: self.commit(index))
-            self._pending[index] = (layer, slots, moves, rows, recv, work, hook)
+            layer.call_before_next_forward(lambda index=index: self._commit_if_pending(index))
+            self._pending[index] = (layer, slots, moves, rows, recv, work)
         engine.cobalt_pending_migration = self
-        _flush_before(engine, "step")
-        _flush_before(engine, "save_checkpoint")
         if not self._pending:
             self._finish()
 
@@ -294,10 +248,13 @@ class PendingMigration:
     def done(self) -> bool:
         return not self._pending
 
+    def _commit_if_pending(self, index: int) -> None:
+        if index in self._pending:  # not flushed already
+            self.commit(index)
+
     def commit(self, index: int) -> None:
         """Wait for layer `index`'s transfer, agree on every rank, then swap its state and layout."""
-        layer, slots, moves, rows, recv, work, hook = self._pending.pop(index)
-        hook.remove()
+        layer, slots, moves, rows, recv, work = self._pending.pop(index)
         error = None
         try:
             if isinstance(work, _Failed):
@@ -311,7 +268,7 @@ class PendingMigration:
         if _all_ranks_ok(error is None):
             with torch.no_grad():
                 _write_rows(self.io, layer, moves, recv)
-            layer._install_layout(slots)
+            layer.install_layout(slots)
             self.moved += [(index, e, a, b) for e, a, b in moves.moved]
             sent, moved = _traffic(self.io, layer, moves)
             self.bytes_sent, self.bytes_moved = self.bytes_sent + sent, self.bytes_moved + moved
@@ -344,21 +301,6 @@ def flush_pending(engine: Any) -> None:
     pending = getattr(engine, "cobalt_pending_migration", None)
     if pending is not None:
         pending.flush()
-
-
-def _flush_before(engine: Any, method: str) -> None:
-    """Make `engine.<method>` commit any pending migration first (installed once per engine and method)."""
-    marker = f"_cobalt_flush_{method}"
-    if getattr(engine, marker, False) or not hasattr(engine, method):
-        return
-    original = getattr(engine, method)
-
-    def flushed(*args: Any, **kwargs: Any):
-        flush_pending(engine)
-        return original(*args, **kwargs)
-
-    setattr(engine, method, flushed)
-    setattr(engine, marker, True)
 
 
 def _all_ranks_ok(local_ok: bool) -> bool:

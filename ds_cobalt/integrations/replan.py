@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,102 +23,21 @@ import torch.distributed as dist
 from deepspeed.utils import logger
 
 from ..config import CobaltConfig
-from ..planner import LinkModel, assign_tasks, canonical_owner_order, migration_worth_it, plan_layer
-from ..planner.layout import Layout
-from ..planner.policies import LayerInput
-from ..planner.stats import RoutingStats, merge_sets, topk_sets
-from ..planner.assign import remote_nodes_per_token
+from ..planner import LinkModel
+from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
+from ..runtime.layer import LayerCore
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
 
-KEEP, REPLICAS, MIGRATE = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """Routing statistics of one layer over one interval, summed over all ranks."""
-
-    load_E: np.ndarray
-    coact_EE: np.ndarray
-    tokens: int
-    samples_TK: np.ndarray  # [T, K] recent top-k rows, -1 = dropped
-    source_rank_T: np.ndarray  # [T] EP rank each sample came from
-
-
-@dataclass(frozen=True)
-class LayerDecision:
-    action: int  # KEEP, REPLICAS or MIGRATE
-    slots_WS: np.ndarray
-    old_cross: float = 0.0
-    new_cross: float = 0.0
-    saving_s: float = 0.0  # modelled saving over the interval, migration time subtracted
-
-
-def align_owner_slots(current_WS: np.ndarray, new_WS: np.ndarray, per_rank: int) -> np.ndarray:
-    """`new_WS` with each rank's owners reordered so experts that stay on a rank keep their slot."""
-    out = np.array(new_WS, dtype=np.int64, copy=True)
-    for r in range(out.shape[0]):
-        wanted = [int(e) for e in new_WS[r, :per_rank]]
-        row = [-1] * per_rank
-        for i, e in enumerate(current_WS[r, :per_rank]):
-            if int(e) in wanted:
-                row[i] = int(e)
-        rest = iter(e for e in wanted if e not in row)
-        out[r, :per_rank] = [e if e >= 0 else next(rest) for e in row]
-    return out
-
-
-def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
-                         gpus_per_node: int) -> float:
-    if samples_TK.shape[0] == 0:
-        return 0.0
-    dest, _ = assign_tasks(samples_TK, source_rank_T, slots_WS, gpus_per_node)
-    return float(remote_nodes_per_token(dest, source_rank_T, gpus_per_node).mean())
-
-
-def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int, gpus_per_node: int,
-                        policy: str, redundant_slots: int, seed: int, link: LinkModel, interval: int,
-                        tokens_per_step: float, ignore_cost_model: bool) -> LayerDecision:
-    """Pure: what to do with one layer. Owners move only when the cost model says it pays."""
-    E = stats.load_E.size
-    W = nodes * gpus_per_node
-    P = E // W
-    valid = stats.samples_TK[stats.samples_TK[:, 0] >= 0] if stats.samples_TK.size else stats.samples_TK
-    sets_MK, count_M = merge_sets(topk_sets(valid), np.ones(valid.shape[0]))
-    routing = RoutingStats(E, stats.samples_TK.shape[1], decay=0.0, load_E=stats.load_E, coact_EE=stats.coact_EE,
-                           sets_MK=sets_MK, count_M=count_M)
-    # Step 1: the policy's layout, owners first, owners that stay on a rank in their current slot.
-    inp = LayerInput(stats=routing, topk_ids_TK=stats.samples_TK, source_rank_T=stats.source_rank_T,
-                     nodes=nodes, gpus_per_node=gpus_per_node, redundant_slots=redundant_slots,
-                     current_slots_WS=current_WS, seed=seed)
-    slots = plan_layer(policy, inp)
-    slots = canonical_owner_order(Layout(E, nodes, gpus_per_node, slots[None])).layer(0)
-    slots = align_owner_slots(current_WS, slots, P)
-    # Step 2: same owners -> only replicas change (free); else ask the cost model.
-    if np.array_equal(slots[:, :P], current_WS[:, :P]):
-        same = slots.shape == current_WS.shape and np.array_equal(slots, current_WS)
-        return LayerDecision(KEEP if same else REPLICAS, slots)
-    old = cross_node_per_token(stats.samples_TK, stats.source_rank_T, current_WS, gpus_per_node)
-    new = cross_node_per_token(stats.samples_TK, stats.source_rank_T, slots, gpus_per_node)
-    old_rank = np.empty(E, np.int64)
-    old_rank[current_WS[:, :P].reshape(-1)] = np.repeat(np.arange(W), P)
-    new_rank = np.empty(E, np.int64)
-    new_rank[slots[:, :P].reshape(-1)] = np.repeat(np.arange(W), P)
-    moved = int((old_rank != new_rank).sum())
-    bytes_per_s = link.inter_node_gbps * 1e9 / 8
-    saved_s = (old - new) * tokens_per_step * link.token_bytes * 4 * interval / bytes_per_s
-    cost_s = moved * link.expert_bytes / bytes_per_s
-    worth = migration_worth_it(moved, old, new, int(tokens_per_step), interval, link)
-    if not (worth or (ignore_cost_model and moved)):
-        return LayerDecision(KEEP, current_WS, old, new, saved_s - cost_s)
-    return LayerDecision(MIGRATE, slots, old, new, saved_s - cost_s)
+# The pure decision lives in the planner; these names stay importable from here.
+__all__ = ["Replanner", "KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "plan_layer_decision"]
 
 
 class Replanner:
     """The step hook. One instance per engine; see the module docstring for the timeline."""
 
     def __init__(self, engine: Any, cobalt: CobaltConfig) -> None:
-        self.layers: list[Any] = migratable_layers(engine)
+        self.layers: list[LayerCore] = migratable_layers(engine)
         self.cfg = cobalt.planner
         self.mig = cobalt.migration
         self._thread: threading.Thread | None = None
@@ -129,6 +47,8 @@ class Replanner:
         self._interval = self.cfg.replan_interval
         if not self.layers:
             return
+        for layer in self.layers:
+            layer.stats.planning = True  # co-activation and samples are counted only for a replanner
         first = self.layers[0]
         pieces = first.expert_state_pieces(0)
         elem = pieces[0][0].element_size()

@@ -14,34 +14,29 @@ import torch
 import torch.distributed as dist
 
 from ..planner.trace import Trace, save_trace as write_trace
-from .engine import cobalt_layers
-
-
-def _top_k(layer: torch.nn.Module) -> int:
-    """Routes per token: DeepSpeed MoE keeps it on its gate, AutoEP layers as `top_k`."""
-    return int(layer.top_k) if hasattr(layer, "top_k") else int(layer.deepspeed_moe.gate.k)
+from .layers import layer_cores
 
 
 def start_trace(model: torch.nn.Module) -> None:
     """Start (or restart) recording the routing of every ds_cobalt layer of `model`."""
-    for layer in cobalt_layers(model):
+    for layer in layer_cores(model):
         layer.trace_rows = []
 
 
 def stop_trace(model: torch.nn.Module) -> None:
-    for layer in cobalt_layers(model):
+    for layer in layer_cores(model):
         layer.trace_rows = None
 
 
 def save_trace(model: torch.nn.Module, path: str | Path) -> Path | None:
     """Collective: gather the recorded routing to rank 0 and write it; returns the path on rank 0."""
-    layers = cobalt_layers(model)
+    layers = layer_cores(model)
     if not layers or any(layer.trace_rows is None for layer in layers):
         raise RuntimeError("save_trace: no trace is recording; call start_trace (or set cobalt.trace) first")
     forwards = {len(layer.trace_rows) for layer in layers}
     if len(forwards) != 1:
         raise RuntimeError(f"save_trace: layers recorded different numbers of forwards {sorted(forwards)}")
-    K = max(_top_k(layer) for layer in layers)
+    K = max(layer.top_k for layer in layers)
     per_forward = []  # [(L, T_f, K) ids] of this rank
     for step_rows in zip(*(layer.trace_rows for layer in layers)):
         T = step_rows[0].shape[0]

@@ -10,6 +10,7 @@ Legend: T tokens, K routes, N nodes, D hidden, P (token, remote node) pairs, R r
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal
@@ -38,7 +39,9 @@ def cupy_install_hint() -> str:
             "or pass backend='torch'")
 
 
+@functools.cache
 def _cupy_import_error() -> str | None:
+    """Why CuPy does not import (None: it does); tried once per process."""
     try:
         importlib.import_module("cupy")
     except Exception as exc:  # noqa: BLE001 - a broken install (e.g. wrong CUDA wheel) also means "no cupy"

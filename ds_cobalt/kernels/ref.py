@@ -35,15 +35,16 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
     N = int(num_nodes)
     device = dest_node_TK.device
     remote_TK = (dest_node_TK >= 0) & (dest_node_TK != src_node)
-    route_t, route_k = remote_TK.nonzero(as_tuple=True)  # NOTE: host sync (data-dependent size)
-    route_node = dest_node_TK[route_t, route_k].long()
-    pair_NT = torch.zeros((N, T), dtype=torch.bool, device=device)
-    pair_NT[route_node, route_t] = True
-    _, pair_token_P = pair_NT.nonzero(as_tuple=True)  # NOTE: host sync
+    # Non-remote routes mark a spare row N, so the marks need no data-dependent indexing.
+    node_TK = torch.where(remote_TK, dest_node_TK.long(), torch.full_like(dest_node_TK, N, dtype=torch.long))
+    cell_TK = node_TK * T + torch.arange(T, device=device).unsqueeze(1)
+    pair_NT = torch.zeros((N + 1) * T, dtype=torch.bool, device=device)
+    pair_NT.scatter_(0, cell_TK.reshape(-1), True)
+    pair_NT = pair_NT.reshape(N + 1, T)[:N]
+    _, pair_token_P = pair_NT.nonzero(as_tuple=True)  # NOTE: host sync (P depends on the data)
     rail_send_N = pair_NT.sum(1)
-    pair_pos_NT = torch.cumsum(pair_NT.reshape(-1), 0).reshape(N, T) - 1
-    pair_index_TK = torch.full((T, K), -1, dtype=torch.int64, device=device)
-    pair_index_TK[route_t, route_k] = pair_pos_NT[route_node, route_t]
+    pair_pos = torch.cumsum(pair_NT.reshape(-1), 0) - 1
+    pair_index_TK = torch.where(remote_TK, pair_pos[cell_TK.clamp(max=N * T - 1)], torch.full_like(cell_TK, -1))
     return pair_token_P, rail_send_N, pair_index_TK
 
 

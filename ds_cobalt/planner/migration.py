@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LinkModel", "moved_experts", "migration_worth_it"]
+__all__ = ["LinkModel", "moved_experts", "migration_bytes", "migration_worth_it"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +30,22 @@ class LinkModel:
     def expert_bytes(self) -> int:
         return self.expert_params * (self.weight_bytes_per_param + self.optimizer_bytes_per_param)
 
+    @property
+    def bytes_per_s(self) -> float:
+        return self.inter_node_gbps * 1e9 / 8
+
 
 def moved_experts(old_node_of_E: np.ndarray, new_node_of_E: np.ndarray) -> int:
     """Number of experts whose owner node changes."""
     return int((np.asarray(old_node_of_E) != np.asarray(new_node_of_E)).sum())
+
+
+def migration_bytes(moved: int, old_cross_per_token: float, new_cross_per_token: float, tokens_per_step: float,
+                    interval_steps: int, link: LinkModel = LinkModel()) -> tuple[float, float]:
+    """`(saved, cost)` bytes over `interval_steps`: cross-node bytes the new layout saves (dispatch + combine,
+    forward + backward) and the bytes that moving `moved` experts with their optimizer state costs."""
+    saved = (old_cross_per_token - new_cross_per_token) * tokens_per_step * link.token_bytes * 4 * interval_steps
+    return saved, float(moved * link.expert_bytes)
 
 
 def migration_worth_it(
@@ -47,6 +59,6 @@ def migration_worth_it(
     """True when the modelled saving over `interval_steps` beats `margin` x the migration cost."""
     if moved == 0:
         return False
-    cost_bytes = moved * link.expert_bytes
-    saved_bytes = (old_cross_per_token - new_cross_per_token) * tokens_per_step * link.token_bytes * 4 * interval_steps
+    saved_bytes, cost_bytes = migration_bytes(moved, old_cross_per_token, new_cross_per_token, tokens_per_step,
+                                              interval_steps, link)
     return saved_bytes > link.margin * cost_bytes

@@ -136,7 +136,13 @@ def load_trace(path: str | Path) -> Trace:
         for key in ("experts", "num_experts"):
             if key not in data.files:
                 raise ValueError(f"trace {path}: missing field {key!r} (has {sorted(data.files)})")
-        fields = {key: data[key] for key in data.files}
+        fields: dict[str, np.ndarray] = {}
+        for key in data.files:
+            try:
+                fields[key] = data[key]
+            except Exception as err:  # noqa: BLE001 - ValueError for an object array (a pickle: refused), zip errors
+                raise ValueError(f"trace {path}: cannot read field {key!r} ({err}); a trace holds numeric "
+                                 f"arrays only, object arrays (pickles) are never loaded") from None
     try:
         return Trace(
             fields["experts"],

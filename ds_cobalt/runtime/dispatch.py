@@ -27,14 +27,10 @@ from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
 from .comm import all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups, Topology
-from .traffic import StepTraffic
+from .traffic import ExchangeCounts
 
-# A remote route travels as one fp32 row (row within the source's block, destination local rank,
-# destination slot, gate weight): one differentiable message for metadata and weights. The integers are
-# exact in fp32 below 2**24 (`plan_rail` checks).
-ROUTE_COLS = 4
-META_BYTES_PER_ROUTE = ROUTE_COLS * 4
-SLOT_ID_BYTES = 0  # slots are implied: relays send rows sorted by slot and the counts are exchanged
+# Route metadata travels as fp32 (traffic.ROUTE_COLS columns); its integers are exact below 2**24
+# (`plan_rail` checks).
 _EXACT_FP32_INT = 1 << 24
 
 
@@ -55,7 +51,6 @@ class RailPlan:
     rail_recv: tuple[int, ...]
     route_send: tuple[int, ...]  # remote routes to each node
     route_recv: tuple[int, ...]
-    deepspeed_remote_routes: int  # routes on another node under DeepSpeed's contiguous placement
 
 
 @dataclass(frozen=True)
@@ -81,52 +76,58 @@ class DispatchHandle:
     node_recv: tuple[int, ...]  # rows received from each local rank
     expert_slot_Q: torch.Tensor  # [Q] int64 slot of each received row
     slot_counts: tuple[int, ...]  # [S] rows received per slot
-    traffic: StepTraffic
+    counts: ExchangeCounts  # split sizes of this exchange (the layer turns them into traffic)
     backend: str = "torch"  # kernel backend for combine
 
 
 def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
               backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
-    """Task assignment, (token, remote node) dedup and the rail count exchange.
+    """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync).
 
-    `backend`: kernel backend of `ds_cobalt.kernels` ("torch", "cupy" or "auto"). `assignment`: this
-    call's `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
+    `backend`: kernel backend of `ds_cobalt.kernels` ("torch" or "cupy"). `assignment`: this call's
+    `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
     topo = groups.topology
-    T, _ = topk_ids_TK.shape
+    T, K = topk_ids_TK.shape
     N, G = topo.nodes, topo.ranks_per_node
+    if T >= _EXACT_FP32_INT:
+        raise ValueError(f"ds_cobalt: {T} tokens on one rank in one MoE call; at most {_EXACT_FP32_INT - 1} supported")
     dest_rank_TK, dest_slot_TK = assignment or assign_tasks(topk_ids_TK, placement, topo.rank)
     valid_TK = dest_rank_TK >= 0
     dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
     remote_TK = valid_TK & (dest_node_TK != topo.node)
+    local_TK = valid_TK & ~remote_TK
 
-    # Step 1: (token, remote node) pairs, node-major, and the remote routes in the same node order.
+    # Step 1: (token, remote node) pairs, node-major, and the per-node route counts.
     pair_token_P, rail_send_N, pair_index_TK = dedup_pairs(dest_node_TK, topo.node, N, backend=backend)
-    route_t, route_k = remote_TK.nonzero(as_tuple=True)
+    route_send_N = torch.zeros(N, dtype=torch.int64, device=topk_ids_TK.device).scatter_add_(
+        0, dest_node_TK.clamp(min=0).reshape(-1), remote_TK.reshape(-1).long())
+
+    # Step 2: count exchange on the rail; the one host sync brings every size this plan needs.
+    counts_N2 = torch.stack([rail_send_N, route_send_N], 1)
+    recv_counts_N2 = exchange_counts(counts_N2, groups.rail_group)
+    host = torch.cat([counts_N2.reshape(-1), recv_counts_N2.reshape(-1),
+                      local_TK.sum().reshape(1)]).tolist()  # NOTE: host sync
+    rail_send, route_send = tuple(host[0: 2 * N: 2]), tuple(host[1: 2 * N: 2])
+    rail_recv, route_recv = tuple(host[2 * N: 4 * N: 2]), tuple(host[2 * N + 1: 4 * N: 2])
+
+    # Step 3: remote routes node-major (token order inside a node) and local routes in token order, as
+    # stable sorts cut at the sizes now known (no data-dependent `nonzero`).
+    route_key = torch.where(remote_TK, dest_node_TK, torch.full_like(dest_node_TK, N)).reshape(-1)
+    route_tk = torch.argsort(route_key, stable=True)[: sum(route_send)]
+    route_t, route_k = route_tk // K, route_tk % K
+    local_tk = torch.argsort((~local_TK).reshape(-1).to(torch.uint8), stable=True)[: host[-1]]
+    local_t, local_k = local_tk // K, local_tk % K
     route_node = dest_node_TK[route_t, route_k]
-    by_node = torch.argsort(route_node, stable=True)
-    route_t, route_k, route_node = route_t[by_node], route_k[by_node], route_node[by_node]
     pair_start_N = torch.cumsum(rail_send_N, 0) - rail_send_N
     route_meta_R3 = torch.stack([
         pair_index_TK[route_t, route_k] - pair_start_N[route_node],
         dest_rank_TK[route_t, route_k] % G,
         dest_slot_TK[route_t, route_k],
     ], dim=1).to(torch.float32)
-    if T >= _EXACT_FP32_INT:
-        raise ValueError(f"ds_cobalt: {T} tokens on one rank in one MoE call; at most {_EXACT_FP32_INT - 1} supported")
-    route_send_N = torch.bincount(route_node, minlength=N)
-    local_t, local_k = (valid_TK & ~remote_TK).nonzero(as_tuple=True)
-
-    # Step 2: count exchange on the rail, with DeepSpeed's would-be remote routes for the counters.
-    ds_remote = _deepspeed_remote_routes(topk_ids_TK, placement.num_experts, topo)
-    counts_N3 = torch.stack([rail_send_N, route_send_N, ds_remote.expand(N)], 1)
-    recv_counts_N2 = exchange_counts(counts_N3[:, :2].contiguous(), groups.rail_group)
-    host = torch.cat([counts_N3.reshape(-1), recv_counts_N2.reshape(-1)]).tolist()  # NOTE: host sync
     return RailPlan(
         num_tokens=T, dest_rank_TK=dest_rank_TK, dest_slot_TK=dest_slot_TK, pair_token_P=pair_token_P,
         route_t=route_t, route_k=route_k, route_meta_R3=route_meta_R3, local_t=local_t, local_k=local_k,
-        rail_send=tuple(host[0: 3 * N: 3]), route_send=tuple(host[1: 3 * N: 3]),
-        rail_recv=tuple(host[3 * N::2]), route_recv=tuple(host[3 * N + 1::2]),
-        deepspeed_remote_routes=host[2],
+        rail_send=rail_send, route_send=route_send, rail_recv=rail_recv, route_recv=route_recv,
     )
 
 
@@ -175,26 +176,18 @@ def node_counts_many(relays: Sequence[RelayRoutes], groups: EPGroups,
     return [([row[i] for row in send], [row[i] for row in recv]) for i in range(len(relays))]
 
 
-def measure_traffic(plan: RailPlan, send_GS: Sequence[Sequence[int]], recv_GS: Sequence[Sequence[int]],
-                    row_bytes: int, topology: Topology, experts_per_rank: int,
-                    deepspeed_capacity: int) -> StepTraffic:
-    return StepTraffic.measure(
-        row_bytes=row_bytes, topology=topology, experts_per_rank=experts_per_rank,
-        pairs_sent=sum(plan.rail_send), pairs_received=sum(plan.rail_recv), routes_sent=sum(plan.route_send),
-        meta_bytes_per_route=META_BYTES_PER_ROUTE, node_send=[sum(row) for row in send_GS],
-        node_recv=[sum(row) for row in recv_GS], slot_id_bytes=SLOT_ID_BYTES,
-        deepspeed_capacity=deepspeed_capacity, deepspeed_remote_routes=plan.deepspeed_remote_routes,
-        tokens=plan.num_tokens,
-    )
+def plan_counts(plan: RailPlan, node_send: Sequence[int], node_recv: Sequence[int]) -> ExchangeCounts:
+    """The split sizes of one rail plan and its intra-node exchange."""
+    return ExchangeCounts(tokens=plan.num_tokens, pairs_sent=sum(plan.rail_send), pairs_received=sum(plan.rail_recv),
+                          routes_sent=sum(plan.route_send), node_send=tuple(node_send), node_recv=tuple(node_recv))
 
 
 def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-             placement: LayerPlacement, groups: EPGroups, deepspeed_capacity: int,
+             placement: LayerPlacement, groups: EPGroups,
              backend: str = "torch") -> tuple[torch.Tensor, DispatchHandle]:
     """Send token rows to the copies chosen by `assign_tasks`; return `[Q, D]` rows and the handle.
 
     `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable).
-    `deepspeed_capacity`: the C of DeepSpeed's padded E x C buffers, only for the traffic counters.
     """
     S = placement.slots_per_rank
     plan = plan_rail(topk_ids_TK, placement, groups, backend)
@@ -219,10 +212,9 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     slot_Q = torch.repeat_interleave(torch.arange(S, device=x_TD.device).repeat(len(recv_GS)),
                                      torch.tensor(recv_GS, device=x_TD.device).reshape(-1))
 
-    traffic = measure_traffic(plan, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(), groups.topology,
-                              placement.owner_slots_per_rank, deepspeed_capacity)
     handle = DispatchHandle(plan.num_tokens, plan.pair_token_P, plan.rail_send, plan.rail_recv, relay,
-                            node_send, node_recv, slot_Q, slot_counts, traffic, backend)
+                            node_send, node_recv, slot_Q, slot_counts, plan_counts(plan, node_send, node_recv),
+                            backend)
     return rows_QD, handle
 
 
@@ -252,8 +244,9 @@ def return_to_sources(own_TD: torch.Tensor, relayed_PD: torch.Tensor, pair_token
     return own_TD.float().index_add(0, pair_token_P, returned_PD.float()).to(relayed_PD.dtype)
 
 
-def _deepspeed_remote_routes(topk_ids_TK: torch.Tensor, num_experts: int, topo: Topology) -> torch.Tensor:
-    """Routes whose expert sits on another node under DeepSpeed's contiguous placement (`[1]` int64)."""
+def deepspeed_remote_routes(topk_ids_TK: torch.Tensor, num_experts: int, topo: Topology) -> torch.Tensor:
+    """Routes whose expert sits on another node under DeepSpeed's contiguous placement (`[1]` int64, on the
+    device: for the counters, read only when they are)."""
     per_rank = num_experts // topo.world_size
     ds_node = torch.div(topk_ids_TK.clamp(min=0), per_rank * topo.ranks_per_node, rounding_mode="floor")
     return ((topk_ids_TK >= 0) & (ds_node != topo.node)).sum().reshape(1)

@@ -23,7 +23,7 @@ from .placement import LayerPlacement
 from .replicas import ReplicaPlan, fetch_replicas
 from .tile_tuner import OverlapTuner
 from .topology import EPGroups
-from .traffic import StepTraffic
+from .traffic import ExchangeCounts
 
 # A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
 _log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
@@ -60,9 +60,9 @@ class OverlapSettings(Protocol):
 
 def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None], *,
-                 overlap: OverlapSettings, tuner: OverlapTuner, deepspeed_capacity: int,
-                 backend: str) -> tuple[torch.Tensor, StepTraffic]:
-    """`[T, D]` combined expert outputs (router weights applied) and the step's traffic.
+                 overlap: OverlapSettings, tuner: OverlapTuner,
+                 backend: str) -> tuple[torch.Tensor, ExchangeCounts]:
+    """`[T, D]` combined expert outputs (router weights applied) and the exchange's split sizes.
 
     `"auto"` overlap settings let `tuner` pick them from a few timed forwards."""
     choice = None
@@ -72,24 +72,22 @@ def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torc
     timed = choice.timed if choice is not None else None
     started = timed.start(x_TD.device) if timed is not None else None
     if choice is not None and choice.overlap:
-        out_TD, traffic = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, choice.tile_rows,
-                                         deepspeed_capacity, backend, choice.rail_chunks)
+        out_TD, counts = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, choice.tile_rows,
+                                        backend, choice.rail_chunks)
     else:
-        out_TD, traffic = _phased(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, deepspeed_capacity,
-                                  backend)
+        out_TD, counts = _phased(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, backend)
     if timed is not None:
         timed.record(started, x_TD.device, groups)
         if timed.chosen is not None and groups.topology.rank == 0:
             _log.info("ds_cobalt overlap: chose %s from %s (forward seconds %s)", tuner.chosen(),
                       timed.candidates, [round(t, 5) for t in timed.times])
-    return out_TD, traffic
+    return out_TD, counts
 
 
 def _phased(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, placement: LayerPlacement,
-            groups: EPGroups, slots: Sequence[SlotExpert | None], deepspeed_capacity: int,
-            backend: str) -> tuple[torch.Tensor, StepTraffic]:
-    rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups,
-                               deepspeed_capacity=deepspeed_capacity, backend=backend)
+            groups: EPGroups, slots: Sequence[SlotExpert | None],
+            backend: str) -> tuple[torch.Tensor, ExchangeCounts]:
+    rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups, backend=backend)
     out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
                          [None if slot is None else bind(slot) for slot in slots])
-    return combine(out_QD, handle, groups), handle.traffic
+    return combine(out_QD, handle, groups), handle.counts

@@ -21,7 +21,7 @@ trip, `_GradReady`, placed earlier in the forward, collects it). Results equal `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
-from .dispatch import (RailPlan, RelayRoutes, measure_traffic, node_counts, node_counts_many, plan_rail, rail_payload,
+from .dispatch import (RailPlan, RelayRoutes, plan_counts, node_counts, node_counts_many, plan_rail, rail_payload,
                        relay_routes, weighted_sum)
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups
-from .traffic import StepTraffic
+from .traffic import ExchangeCounts
 
 _ROWS, _OUT, _GRAD, _GRAD_IN = 1, 2, 3, 4  # message kinds; tag = kind << 16 | tile
 
@@ -282,6 +282,7 @@ class _GradReady(torch.autograd.Function):
 
 
 def _select(relay: RelayRoutes, keep_R: torch.Tensor) -> RelayRoutes:
+    # NOTE: host sync (boolean-mask selection, once per own-node round; the overlapped schedule only)
     return RelayRoutes(relay.pool_R[keep_R], relay.local_R[keep_R], relay.slot_R[keep_R], relay.weight_R[keep_R])
 
 
@@ -305,10 +306,6 @@ def _local_round(pool_D: torch.Tensor, relay: RelayRoutes, num_out: int, slots: 
     rows_RD = gather_rows(pool_D, relay.pool_R, backend=backend)
     out_RD = expert_exchange(rows_RD, send_GS, recv_GS, slots, groups, tile_rows)
     return weighted_sum(out_RD.float(), relay.weight_R, relay.pool_R, num_out, backend)  # fp32 sums
-
-
-def _sum_counts(matrices: list[list[list[int]]]) -> list[list[int]]:
-    return [[sum(vals) for vals in zip(*rows)] for rows in zip(*matrices)]
 
 
 @dataclass
@@ -340,9 +337,10 @@ def _start_chunk(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan, s
 
 def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
-                   tile_rows: int, deepspeed_capacity: int, backend: str = "torch",
-                   rail_chunks: int = 2) -> tuple[torch.Tensor, StepTraffic]:
-    """The whole MoE exchange with overlap; `[T, D]` combined outputs and the step's traffic (module docstring)."""
+                   tile_rows: int, backend: str = "torch",
+                   rail_chunks: int = 2) -> tuple[torch.Tensor, ExchangeCounts]:
+    """The whole MoE exchange with overlap; `[T, D]` combined outputs and the exchange's split sizes (module
+    docstring)."""
     S = placement.slots_per_rank
     T = x_TD.shape[0]
     C = max(1, int(rail_chunks))
@@ -387,11 +385,10 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
         out_TD = out_TD.index_add(0, ch.plan.pair_token_P + ch.span[0], returned_PD.float())
     out_TD = out_TD.to(x_TD.dtype)
 
-    send_GS, recv_GS = (_sum_counts([c[i] for c in counts]) for i in (0, 1))
-    merged = replace(plans[0], num_tokens=T, **{
-        field: tuple(sum(v) for v in zip(*(getattr(plan, field) for plan in plans)))
-        for field in ("rail_send", "rail_recv", "route_send", "route_recv")},
-        deepspeed_remote_routes=sum(plan.deepspeed_remote_routes for plan in plans))
-    traffic = measure_traffic(merged, send_GS, recv_GS, x_TD.shape[1] * x_TD.element_size(),
-                              groups.topology, placement.owner_slots_per_rank, deepspeed_capacity)
-    return out_TD, traffic
+    rail = ExchangeCounts.total([plan_counts(plan, (), ()) for plan in plans])
+    node_send = [sum(row) for send_GS, _ in counts for row in send_GS]
+    node_recv = [sum(row) for _, recv_GS in counts for row in recv_GS]
+    G = groups.topology.ranks_per_node
+    return out_TD, ExchangeCounts(
+        tokens=T, pairs_sent=rail.pairs_sent, pairs_received=rail.pairs_received, routes_sent=rail.routes_sent,
+        node_send=tuple(sum(node_send[g::G]) for g in range(G)), node_recv=tuple(sum(node_recv[g::G]) for g in range(G)))

@@ -100,7 +100,7 @@ def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank:
     tie_N = (N - priority_N).to(torch.long)
 
     # Step 1: own node.
-    node_TK[holds_TKN[:, :, src_node]] = src_node
+    node_TK = torch.where(holds_TKN[:, :, src_node], src_node, node_TK)  # no boolean-mask write (host sync)
     visited_TN = torch.zeros((T, N), dtype=torch.bool, device=device)
     visited_TN[:, src_node] = True
     for _ in range(K + 1):  # each pass opens at most one node per token; K opens always suffice
@@ -115,7 +115,7 @@ def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank:
         cover_TN = (holds_TKN & remaining_TK.unsqueeze(-1)).sum(1)
         best_T = (cover_TN * (N + 1) + tie_N).argmax(-1)
         opens_T = cover_TN.gather(1, best_T[:, None]).squeeze(1) > 0
-        visited_TN[torch.arange(T, device=device)[opens_T], best_T[opens_T]] = True
+        visited_TN |= torch.nn.functional.one_hot(best_T, N).bool() & opens_T.unsqueeze(1)
 
     # Step 4: pick the copy inside the chosen node, round-robin per (expert, node).
     flat_ids = ids_TK.reshape(-1)

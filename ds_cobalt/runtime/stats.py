@@ -11,12 +11,14 @@ import torch
 
 
 class DeviceRoutingStats:
-    """Counts since the last `reset`: `load_E`, `coact_EE` (pairs of distinct experts chosen by one token)
-    and a ring buffer of the latest `sample_tokens` top-k rows (for top-k set histograms, k > 2)."""
+    """Counts since the last `reset`: `load_E`, and with `planning` also `coact_EE` (pairs of distinct experts
+    chosen by one token) and a ring buffer of the latest `sample_tokens` top-k rows (for top-k set
+    histograms, k > 2). Layers switch `planning` on only when a replanner will read them."""
 
     def __init__(self, num_experts: int, top_k: int, sample_tokens: int = 8192,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", planning: bool = True) -> None:
         self.num_experts = num_experts
+        self.planning = planning
         self.load_E = torch.zeros(num_experts, dtype=torch.float64, device=device)
         self.coact_EE = torch.zeros((num_experts, num_experts), dtype=torch.float64, device=device)
         self.sample_BK = torch.full((sample_tokens, top_k), -1, dtype=torch.long, device=device)
@@ -33,6 +35,9 @@ class DeviceRoutingStats:
         multi_hot_TE.scatter_add_(1, ids.clamp(min=0), valid.float())  # -1 adds 0 at column 0
         multi_hot_TE.clamp_(max=1.0)
         self.load_E += multi_hot_TE.sum(0).double()
+        if not self.planning:
+            self.tokens += T
+            return
         coact = multi_hot_TE.t() @ multi_hot_TE
         coact.fill_diagonal_(0)
         self.coact_EE += coact.double()

@@ -50,14 +50,14 @@ class ChoiceTuner:
         if self.chosen is not None:
             return None
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)  # NOTE: host sync, only during the tuning trials
         return time.perf_counter()
 
     def record(self, started: float | None, device: torch.device, groups: EPGroups) -> None:
         if started is None:
             return
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)  # NOTE: host sync, only during the tuning trials
         if self.calls >= self.warmup:
             self.times.append(time.perf_counter() - started)
         self.calls += 1

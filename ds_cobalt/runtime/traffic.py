@@ -1,13 +1,45 @@
 """Exact traffic counters of one forward pass (dispatch + combine), and their running totals.
 
-Counted from the split sizes the dispatcher already has on the host, so they cost no extra sync.
+The exchange reports its split sizes (`ExchangeCounts`, already on the host for the collectives); the layer
+turns them into bytes (`StepTraffic.measure`) outside the exchange, so counting costs no extra sync.
+DeepSpeed's would-be cross-node routes are counted on the device and read only when totals are asked for.
 Backward sends the same volumes again in reverse; DeepSpeed's does too, so ratios hold for a step.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
+
+import torch
+
+# A remote route travels as one fp32 row (row within the source's block, destination local rank,
+# destination slot, gate weight): one differentiable message for metadata and weights.
+ROUTE_COLS = 4
+META_BYTES_PER_ROUTE = ROUTE_COLS * 4
+SLOT_ID_BYTES = 0  # slots are implied: relays send rows sorted by slot and the counts are exchanged
+
+
+@dataclass(frozen=True)
+class ExchangeCounts:
+    """Split sizes of one forward's exchange on this rank (host ints, known to the collectives anyway)."""
+
+    tokens: int
+    pairs_sent: int  # (token, remote node) rows sent on the rail
+    pairs_received: int  # rows received on the rail (each returns one combined row)
+    routes_sent: int  # remote routes' metadata rows sent on the rail
+    node_send: tuple[int, ...]  # rows sent to each local rank (this one included)
+    node_recv: tuple[int, ...]  # rows received from each local rank
+
+    @staticmethod
+    def total(parts: Sequence["ExchangeCounts"]) -> "ExchangeCounts":
+        """Counts of several exchanges of one forward (e.g. rail chunks and overlap rounds) added up."""
+        first = parts[0]
+        return ExchangeCounts(
+            tokens=sum(p.tokens for p in parts), pairs_sent=sum(p.pairs_sent for p in parts),
+            pairs_received=sum(p.pairs_received for p in parts), routes_sent=sum(p.routes_sent for p in parts),
+            node_send=tuple(map(sum, zip(*(p.node_send for p in parts)))) if first.node_send else (),
+            node_recv=tuple(map(sum, zip(*(p.node_recv for p in parts)))) if first.node_recv else ())
 
 
 @dataclass(frozen=True)
@@ -19,34 +51,35 @@ class StepTraffic:
     intra_node_rows: int = 0  # rows sent to other ranks of this node: dispatch + combine return
     intra_node_bytes: int = 0
     deepspeed_inter_node_bytes_padded: int = 0  # DeepSpeed's E x C buffers to ranks on other nodes
-    deepspeed_inter_node_bytes_dropless: int = 0  # one row per (token, expert) on another node, both ways
     tokens: int = 0
     expert_rows: int = 0  # rows this rank's experts computed (its share of the layer's work)
 
     @classmethod
-    def measure(cls, *, row_bytes: int, topology, experts_per_rank: int, pairs_sent: int, pairs_received: int,
-                routes_sent: int, meta_bytes_per_route: int, node_send: Sequence[int], node_recv: Sequence[int],
-                slot_id_bytes: int, deepspeed_capacity: int, deepspeed_remote_routes: int, tokens: int) -> "StepTraffic":
+    def measure(cls, counts: ExchangeCounts, *, row_bytes: int, topology, experts_per_rank: int,
+                deepspeed_capacity: int) -> "StepTraffic":
         me = topology.local_rank
-        inter_rows = pairs_sent + pairs_received  # dispatch out + combine return of received pairs
+        node_send, node_recv = counts.node_send, counts.node_recv
+        inter_rows = counts.pairs_sent + counts.pairs_received  # dispatch out + combine return of received pairs
         intra_rows = (sum(node_send) - node_send[me]) + (sum(node_recv) - node_recv[me])
         remote_ranks = topology.world_size - topology.ranks_per_node
         ds_padded_rows = 2 * remote_ranks * experts_per_rank * deepspeed_capacity
         return cls(
             inter_node_rows=inter_rows,
-            inter_node_bytes=inter_rows * row_bytes + routes_sent * meta_bytes_per_route,
+            inter_node_bytes=inter_rows * row_bytes + counts.routes_sent * META_BYTES_PER_ROUTE,
             intra_node_rows=intra_rows,
-            intra_node_bytes=intra_rows * row_bytes + (sum(node_send) - node_send[me]) * slot_id_bytes,
+            intra_node_bytes=intra_rows * row_bytes + (sum(node_send) - node_send[me]) * SLOT_ID_BYTES,
             deepspeed_inter_node_bytes_padded=ds_padded_rows * row_bytes,
-            deepspeed_inter_node_bytes_dropless=2 * deepspeed_remote_routes * row_bytes,
-            tokens=tokens,
+            tokens=counts.tokens,
             expert_rows=sum(node_recv),
         )
 
 
 @dataclass
 class TrafficCounters:
-    """Running totals over forward passes of one layer on one rank."""
+    """Running totals over forward passes of one layer on one rank.
+
+    `deepspeed_inter_node_bytes_dropless` (one row per (token, expert) on another node, both ways) is
+    accumulated on the device by `add_deepspeed_routes` and read in `totals`."""
 
     steps: int = 0
     inter_node_rows: int = 0
@@ -54,10 +87,11 @@ class TrafficCounters:
     intra_node_rows: int = 0
     intra_node_bytes: int = 0
     deepspeed_inter_node_bytes_padded: int = 0
-    deepspeed_inter_node_bytes_dropless: int = 0
     tokens: int = 0
     expert_rows: int = 0
     last: StepTraffic | None = None
+    _row_bytes: int = 0
+    _deepspeed_remote_routes: torch.Tensor | None = field(default=None, repr=False)
 
     def add(self, step: StepTraffic) -> None:
         self.steps += 1
@@ -65,9 +99,18 @@ class TrafficCounters:
             setattr(self, item.name, getattr(self, item.name) + getattr(step, item.name))
         self.last = step
 
+    def add_deepspeed_routes(self, remote_routes: torch.Tensor, row_bytes: int) -> None:
+        """Routes DeepSpeed would have sent to another node this forward (`[1]` int64, on the device)."""
+        self._row_bytes = row_bytes
+        acc = self._deepspeed_remote_routes
+        self._deepspeed_remote_routes = remote_routes.detach() if acc is None else acc + remote_routes.detach()
+
     def totals(self) -> dict[str, int]:
-        out = asdict(self)
-        out.pop("last")
+        out = {item.name: getattr(self, item.name) for item in fields(self)
+               if item.name != "last" and not item.name.startswith("_")}
+        routes = self._deepspeed_remote_routes
+        out["deepspeed_inter_node_bytes_dropless"] = (
+            0 if routes is None else 2 * int(routes.sum().item()) * self._row_bytes)  # NOTE: host sync, on read
         return out
 
 

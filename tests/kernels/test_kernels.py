@@ -16,7 +16,7 @@ import torch
 
 from ds_cobalt.kernels import chunk_ready_flags, dedup_pairs, gather_rows, ref, resolve_backend, weighted_scatter_add
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CU_FILES = sorted((REPO / "cuda").glob("*.cu"))
 
 # (T, K, N, src_node, drop fraction): odd sizes, empty inputs, k = 1, large k, one node, all dropped

@@ -149,4 +149,4 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     assert sum(c["cobalt/migration_failures"]) == 0
     # the Trainer's checkpoint went through ds_cobalt's save wrapper (logical order + portable state)
     saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
-    assert sorted(p.name for p in saved.glob("cobalt_state_rank*.pt")) == [f"cobalt_state_rank{r}.pt" for r in range(4)]
+    assert sorted(p.name for p in saved.glob("cobalt_state_rank*.json")) == [f"cobalt_state_rank{r}.json" for r in range(4)]

@@ -2,7 +2,7 @@
 all-or-nothing under injected faults, the ZeRO re-link workaround, gradient norms with replicas.
 
 Multi-rank bodies run on 4 gloo CPU ranks as 2 nodes x 2 (`cobalt.topology.ranks_per_node = 2`).
-Helpers here are shared with tests/test_checkpoint.py.
+Helpers here are shared with tests/integrations/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -389,39 +389,3 @@ def test_planner_config_validation() -> None:
         parse_cobalt_config({"planner": {"replan_interval": 2, "apply_lag": 5}})
     with pytest.raises(ValueError, match=r"cobalt\.migration\.speed: unknown key"):
         parse_cobalt_config({"migration": {"speed": 1}})
-
-
-def test_plan_owner_moves_orders_match() -> None:
-    from ds_cobalt.integrations.migration import plan_owner_moves
-
-    rng = np.random.default_rng(0)
-    old, new = random_owner_layout(rng), random_owner_layout(rng)
-    plans = [plan_owner_moves(old, new, 2, r) for r in range(4)]
-    # what r sends to q, in order, is what q receives from r, in order
-    for r in range(4):
-        for q in range(4):
-            sent = [old[r, s] for s in plans[r].send_slot[sum(plans[r].send_splits[:q]):][:plans[r].send_splits[q]]]
-            got = [new[q, s] for s in plans[q].recv_slot[sum(plans[q].recv_splits[:r]):][:plans[q].recv_splits[r]]]
-            assert sent == got
-    assert plan_owner_moves(old, old, 2, 0).empty
-
-
-def test_plan_layer_decision_follows_cost_model() -> None:
-    from ds_cobalt.integrations.replan import KEEP, MIGRATE, LayerStats, plan_layer_decision
-    from ds_cobalt.planner import LinkModel
-    from ds_cobalt.planner.stats import count_routing
-
-    # Tokens choose pairs {0, 7}, {1, 6}, ... that the contiguous layout splits across nodes.
-    rng = np.random.default_rng(0)
-    pair = rng.integers(0, 4, size=4000)
-    topk = np.stack([pair, 7 - pair], axis=1)
-    src = rng.integers(0, 4, size=4000)
-    load, coact = count_routing(topk, E)
-    stats = LayerStats(load.astype(float), coact.astype(float), 4000, topk, src)
-    current = np.arange(E).reshape(4, 2)
-    common = dict(nodes=2, gpus_per_node=2, policy="cobalt", redundant_slots=0, seed=0, interval=100,
-                  tokens_per_step=4000.0, ignore_cost_model=False)
-    cheap = plan_layer_decision(stats, current, link=LinkModel(expert_params=100, token_bytes=64), **common)
-    assert cheap.action == MIGRATE and cheap.new_cross < cheap.old_cross and cheap.saving_s > 0
-    dear = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64), **common)
-    assert dear.action == KEEP and np.array_equal(dear.slots_WS, current)

@@ -1,0 +1,128 @@
+"""`CobaltEngine`: DeepSpeed's engine with ds_cobalt's step and checkpoint behaviour as methods.
+
+DeepSpeed builds the engine (`deepspeed.initialize`, also inside the HF Trainer and with AutoEP); `adopt`
+then makes that object a `CobaltEngine` in place (a class change, as AutoEP layers are adopted: same object,
+same state), so `isinstance(engine, DeepSpeedEngine)` still holds. A subclass of DeepSpeed's engine (e.g.
+`PipelineEngine`) gets a matching subclass. What it adds:
+- `step`: commits any pending asynchronous migration first; after an optimizer step (at gradient-accumulation
+  boundaries) runs the configured step hooks: traffic logging, traces, the replanner;
+- `save_checkpoint` / `load_checkpoint`: logical expert order and portable state (`checkpoint.py`), as
+  configured under `cobalt.migration`; a pending migration is committed before a save.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger
+
+from ..config import CobaltConfig
+from . import checkpoint
+from .layers import traffic_summary
+from .migration import flush_pending
+from .replan import Replanner
+from .trace import save_trace, start_trace, stop_trace
+
+StepHook = Callable[["CobaltEngine"], None]
+
+__all__ = ["CobaltEngine", "StepHook"]
+
+
+class CobaltEngine(DeepSpeedEngine):
+    """Not constructed directly: `CobaltEngine.adopt(engine, config)` converts the engine DeepSpeed built."""
+
+    commits_pending_migrations = True  # migrate(asynchronous=True) relies on step/save committing first
+    cobalt_config: CobaltConfig | None
+    cobalt_step_hooks: list[StepHook]
+
+    @classmethod
+    def adopt(cls, engine: DeepSpeedEngine, config: CobaltConfig | None) -> "CobaltEngine":
+        """Make `engine` a `CobaltEngine` in place (idempotent; the config of the last call wins) and return
+        it. `config=None` adds only the commit of pending migrations (no hooks, DeepSpeed's checkpoints)."""
+        if not isinstance(engine, DeepSpeedEngine):
+            raise TypeError(f"CobaltEngine.adopt needs a DeepSpeedEngine, got {type(engine).__name__}")
+        if not isinstance(engine, CobaltEngine):
+            engine.__class__ = _cobalt_class(type(engine))
+        assert isinstance(engine, CobaltEngine)
+        engine.cobalt_config = config
+        engine.cobalt_step_hooks = engine._configured_hooks(config) if config is not None else []
+        return engine
+
+    # ----- step --------------------------------------------------------------------------------------
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        flush_pending(self)
+        boundary = self.is_gradient_accumulation_boundary()
+        out = super().step(*args, **kwargs)
+        if boundary:
+            for hook in self.cobalt_step_hooks:
+                hook(self)
+        return out
+
+    def _configured_hooks(self, cobalt: CobaltConfig) -> list[StepHook]:
+        """The work ds_cobalt does after each optimizer step, as configured."""
+        hooks: list[StepHook] = []
+        if cobalt.traffic.log_interval:
+            hooks.append(functools.partial(_log_traffic, interval=cobalt.traffic.log_interval))
+        if cobalt.trace.path:
+            hooks.append(_trace_hook(self, cobalt))
+        if cobalt.planner.replan_interval:
+            hooks.append(Replanner(self, cobalt))
+        return hooks
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        flush_pending(self)
+        save = super().save_checkpoint
+        migration = self.cobalt_config.migration if self.cobalt_config is not None else None
+        if migration is None or not migration.checkpoint_logical_order:
+            return save(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
+        return checkpoint.save_checkpoint(self, save, migration.checkpoint_portable_state, save_dir, tag,
+                                          client_state, *args, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        load = super().load_checkpoint
+        migration = self.cobalt_config.migration if self.cobalt_config is not None else None
+        if migration is None or not migration.checkpoint_logical_order:
+            return load(load_dir, tag, *args, **kwargs)
+        return checkpoint.load_checkpoint(self, load, migration.checkpoint_portable_state, load_dir, tag,
+                                          *args, **kwargs)
+
+
+@functools.cache
+def _cobalt_class(base: type) -> type:
+    """`CobaltEngine` for DeepSpeed's engine, a `CobaltEngine` subclass of any other engine class."""
+    if base is DeepSpeedEngine:
+        return CobaltEngine
+    return type(f"Cobalt{base.__name__}", (CobaltEngine, base), {"__module__": __name__})
+
+
+def _trace_hook(engine: CobaltEngine, cobalt: CobaltConfig) -> StepHook:
+    first, last = cobalt.trace.start_step, cobalt.trace.start_step + cobalt.trace.steps
+    path = cobalt.trace.path
+    if first == 0:
+        start_trace(engine)
+
+    def trace_hook(engine: CobaltEngine) -> None:
+        if engine.global_steps == first:
+            start_trace(engine)
+        elif engine.global_steps == last:
+            save_trace(engine, path)
+            stop_trace(engine)
+            if engine.global_rank == 0:
+                logger.info(f"ds_cobalt: wrote the routing of steps [{first}, {last}) to {path}")
+
+    return trace_hook
+
+
+def _log_traffic(engine: CobaltEngine, interval: int) -> None:
+    if engine.global_steps % interval or engine.global_rank != 0:
+        return
+    totals = traffic_summary(engine)
+    # AutoEP layers pad nothing: compare with the dropless all-to-all there.
+    kind = "padded" if totals["deepspeed_inter_node_bytes_padded"] else "dropless"
+    ratio = totals["inter_node_bytes"] / max(1, totals[f"deepspeed_inter_node_bytes_{kind}"])
+    logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
+                f"({ratio:.3f}x DeepSpeed's {kind} all-to-all), intra-node {totals['intra_node_bytes']} B")

@@ -1,0 +1,83 @@
+"""Finding ds_cobalt layers in a model, and what every layer class exposes of its `LayerCore`.
+
+A module is a ds_cobalt layer when it holds a `LayerCore` as `cobalt_core` (`ds_cobalt.MoE`, converted AutoEP
+layers, and any future class): discovery needs no registry. Everything below `engine.py` in integrations
+finds layers here and talks to their cores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..runtime.layer import LayerCore
+from ..runtime.stats import DeviceRoutingStats
+from ..runtime.tile_tuner import OverlapTuner
+from ..runtime.topology import Topology
+from ..runtime.traffic import TrafficCounters, sum_totals
+
+__all__ = ["CoreAccess", "cobalt_layers", "layer_cores", "traffic_summary"]
+
+
+def _core(module: torch.nn.Module) -> LayerCore | None:
+    core = module.__dict__.get("cobalt_core")
+    return core if isinstance(core, LayerCore) else None
+
+
+def cobalt_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ds_cobalt MoE layers of a model (or of a DeepSpeed engine's module), in module order."""
+    module = getattr(model, "module", model)
+    return [m for m in module.modules() if _core(m) is not None]
+
+
+def layer_cores(model: torch.nn.Module) -> list[LayerCore]:
+    """The `LayerCore` of every ds_cobalt layer of a model (or engine), in module order."""
+    module = getattr(model, "module", model)
+    return [core for core in map(_core, module.modules()) if core is not None]
+
+
+def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
+    """Cumulative traffic of this rank over all ds_cobalt layers: bytes/rows sent inter- and intra-node,
+    and what DeepSpeed's all-to-all would have sent inter-node for the same forwards (padded E x C
+    buffers, and the dropless one row per (token, expert))."""
+    return sum_totals([core.traffic for core in layer_cores(model)])
+
+
+class CoreAccess:
+    """The public per-layer attributes of a ds_cobalt layer class, read from its `cobalt_core`."""
+
+    cobalt_core: LayerCore
+
+    @property
+    def topology(self) -> Topology:
+        return self.cobalt_core.topology
+
+    @property
+    def layout_slots(self) -> np.ndarray:
+        """`[W, S]` slots of this layer's current layout (EP ranks)."""
+        return self.cobalt_core.layout_slots
+
+    def set_layout(self, slots_WS: np.ndarray) -> None:
+        """Use a new layout (e.g. with replica slots); owner slots must stay (moving owners is migration)."""
+        self.cobalt_core.set_layout(slots_WS)
+
+    @property
+    def traffic(self) -> TrafficCounters:
+        return self.cobalt_core.traffic
+
+    @property
+    def stats(self) -> DeviceRoutingStats:
+        return self.cobalt_core.stats
+
+    @property
+    def tile_tuner(self) -> OverlapTuner:
+        return self.cobalt_core.tuner
+
+    @property
+    def trace_rows(self) -> list[torch.Tensor] | None:
+        """Top-k ids of each forward while a trace records (None otherwise)."""
+        return self.cobalt_core.trace_rows
+
+    @trace_rows.setter
+    def trace_rows(self, rows: list[torch.Tensor] | None) -> None:
+        self.cobalt_core.trace_rows = rows

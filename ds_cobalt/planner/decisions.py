@@ -1,0 +1,85 @@
+"""What to do with one layer at a re-plan: keep it, change its replicas, or migrate owners.
+
+Legend: E experts, K top-k, W EP ranks, S slots per rank, P = E / W owner slots, T sample tokens.
+Pure: the replanner (`ds_cobalt.integrations.replan`) gathers the statistics and applies the decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .assign import assign_tasks, remote_nodes_per_token
+from .layout import Layout, canonical_owner_order, owner_rank_of
+from .migration import LinkModel, migration_bytes, migration_worth_it
+from .owner_moves import align_owner_slots
+from .policies import LayerInput, plan_layer
+from .stats import RoutingStats, merge_sets, topk_sets
+
+__all__ = ["KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "cross_node_per_token",
+           "plan_layer_decision"]
+
+KEEP, REPLICAS, MIGRATE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Routing statistics of one layer over one interval, summed over all ranks."""
+
+    load_E: np.ndarray
+    coact_EE: np.ndarray
+    tokens: int
+    samples_TK: np.ndarray  # [T, K] recent top-k rows, -1 = dropped
+    source_rank_T: np.ndarray  # [T] EP rank each sample came from
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    action: int  # KEEP, REPLICAS or MIGRATE
+    slots_WS: np.ndarray
+    old_cross: float = 0.0
+    new_cross: float = 0.0
+    saving_s: float = 0.0  # modelled saving over the interval, migration time subtracted
+
+
+def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
+                         gpus_per_node: int) -> float:
+    """Mean distinct remote nodes per sample token under `slots_WS` (the runtime's task assignment)."""
+    if samples_TK.shape[0] == 0:
+        return 0.0
+    dest, _ = assign_tasks(samples_TK, source_rank_T, slots_WS, gpus_per_node)
+    return float(remote_nodes_per_token(dest, source_rank_T, gpus_per_node).mean())
+
+
+def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int, gpus_per_node: int,
+                        policy: str, redundant_slots: int, seed: int, link: LinkModel, interval: int,
+                        tokens_per_step: float, ignore_cost_model: bool) -> LayerDecision:
+    """Pure: what to do with one layer. Owners move only when the cost model says it pays."""
+    E = stats.load_E.size
+    W = nodes * gpus_per_node
+    P = E // W
+    valid = stats.samples_TK[stats.samples_TK[:, 0] >= 0] if stats.samples_TK.size else stats.samples_TK
+    sets_MK, count_M = merge_sets(topk_sets(valid), np.ones(valid.shape[0]))
+    routing = RoutingStats(E, stats.samples_TK.shape[1], decay=0.0, load_E=stats.load_E, coact_EE=stats.coact_EE,
+                           sets_MK=sets_MK, count_M=count_M)
+    # Step 1: the policy's layout, owners first, owners that stay on a rank in their current slot.
+    inp = LayerInput(stats=routing, topk_ids_TK=stats.samples_TK, source_rank_T=stats.source_rank_T,
+                     nodes=nodes, gpus_per_node=gpus_per_node, redundant_slots=redundant_slots,
+                     current_slots_WS=current_WS, seed=seed)
+    slots = plan_layer(policy, inp)
+    slots = canonical_owner_order(Layout(E, nodes, gpus_per_node, slots[None])).layer(0)
+    slots = align_owner_slots(current_WS, slots, P)
+    # Step 2: same owners -> only replicas change (free); else ask the cost model.
+    if np.array_equal(slots[:, :P], current_WS[:, :P]):
+        same = slots.shape == current_WS.shape and np.array_equal(slots, current_WS)
+        return LayerDecision(KEEP if same else REPLICAS, slots)
+    old = cross_node_per_token(stats.samples_TK, stats.source_rank_T, current_WS, gpus_per_node)
+    new = cross_node_per_token(stats.samples_TK, stats.source_rank_T, slots, gpus_per_node)
+    moved = int((owner_rank_of(current_WS, E) != owner_rank_of(slots, E)).sum())
+    saved_bytes, cost_bytes = migration_bytes(moved, old, new, tokens_per_step, interval, link)
+    saving_s = (saved_bytes - cost_bytes) / link.bytes_per_s
+    worth = migration_worth_it(moved, old, new, int(tokens_per_step), interval, link)
+    if not (worth or (ignore_cost_model and moved)):
+        return LayerDecision(KEEP, current_WS, old, new, saving_s)
+    return LayerDecision(MIGRATE, slots, old, new, saving_s)

@@ -1,0 +1,75 @@
+"""Pure re-planning decisions: owner moves, slot alignment, keep/replicas/migrate, the migration cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_cobalt.planner import LinkModel, migration_worth_it
+from ds_cobalt.planner.decisions import KEEP, MIGRATE, LayerStats, plan_layer_decision
+from ds_cobalt.planner.migration import migration_bytes
+from ds_cobalt.planner.owner_moves import align_owner_slots, plan_owner_moves
+from ds_cobalt.planner.stats import count_routing
+
+E = 8
+
+
+def random_owner_layout(rng: np.random.Generator, world: int = 4) -> np.ndarray:
+    return rng.permutation(E).reshape(world, E // world)
+
+
+def test_plan_owner_moves_orders_match() -> None:
+    rng = np.random.default_rng(0)
+    old, new = random_owner_layout(rng), random_owner_layout(rng)
+    plans = [plan_owner_moves(old, new, 2, r) for r in range(4)]
+    # what r sends to q, in order, is what q receives from r, in order
+    for r in range(4):
+        for q in range(4):
+            sent = [old[r, s] for s in plans[r].send_slot[sum(plans[r].send_splits[:q]):][:plans[r].send_splits[q]]]
+            got = [new[q, s] for s in plans[q].recv_slot[sum(plans[q].recv_splits[:r]):][:plans[q].recv_splits[r]]]
+            assert sent == got
+    moved = {e for plan in plans for e, _, _ in plan.moved}
+    assert moved == {e for e in range(E) if tuple(np.argwhere(old == e)[0]) != tuple(np.argwhere(new == e)[0])}
+    assert plan_owner_moves(old, old, 2, 0).empty
+
+
+def test_align_owner_slots_keeps_staying_experts_in_place() -> None:
+    current = np.array([[0, 1], [2, 3]])
+    new = np.array([[1, 2], [3, 0]])  # 1 stays on rank 0, 3 on rank 1
+    aligned = align_owner_slots(current, new, 2)
+    assert aligned[0, 1] == 1 and aligned[1, 1] == 3
+    assert sorted(aligned[0]) == [1, 2] and sorted(aligned[1]) == [0, 3]
+    assert np.array_equal(align_owner_slots(current, current, 2), current)
+
+
+def _paired_stats() -> LayerStats:
+    # Tokens choose pairs {0, 7}, {1, 6}, ... that the contiguous layout splits across nodes.
+    rng = np.random.default_rng(0)
+    pair = rng.integers(0, 4, size=4000)
+    topk = np.stack([pair, 7 - pair], axis=1)
+    src = rng.integers(0, 4, size=4000)
+    load, coact = count_routing(topk, E)
+    return LayerStats(load.astype(float), coact.astype(float), 4000, topk, src)
+
+
+COMMON = dict(nodes=2, gpus_per_node=2, policy="cobalt", seed=0, interval=100, tokens_per_step=4000.0)
+
+
+def test_plan_layer_decision_follows_cost_model() -> None:
+    stats, current = _paired_stats(), np.arange(E).reshape(4, 2)
+    cheap = plan_layer_decision(stats, current, link=LinkModel(expert_params=100, token_bytes=64),
+                                redundant_slots=0, ignore_cost_model=False, **COMMON)
+    assert cheap.action == MIGRATE and cheap.new_cross < cheap.old_cross and cheap.saving_s > 0
+    dear = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64),
+                               redundant_slots=0, ignore_cost_model=False, **COMMON)
+    assert dear.action == KEEP and np.array_equal(dear.slots_WS, current) and dear.saving_s < 0
+    forced = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64),
+                                 redundant_slots=0, ignore_cost_model=True, **COMMON)
+    assert forced.action == MIGRATE
+
+
+def test_one_migration_formula() -> None:
+    link = LinkModel(expert_params=1000, token_bytes=64, margin=1.5)
+    saved, cost = migration_bytes(3, 1.0, 0.5, 1000, 10, link)
+    assert saved == 0.5 * 1000 * 64 * 4 * 10 and cost == 3 * link.expert_bytes
+    assert migration_worth_it(3, 1.0, 0.5, 1000, 10, link) == (saved > 1.5 * cost)
+    assert not migration_worth_it(0, 1.0, 0.0, 1000, 10, link)
