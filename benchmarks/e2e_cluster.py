@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         rate_gbps(rate)  # fail early on a bad rate
     base = json.loads((Path(args.repo) / args.config).read_text())
     out_root = Path(args.out).resolve()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])}
+    python_path = os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": python_path}
     failed = 0
     for rate in args.rates:
         for variant in args.variants:

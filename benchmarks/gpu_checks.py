@@ -102,7 +102,7 @@ def bench_size(name: str, T: int, K: int, D: int, N: int, dtype: torch.dtype, it
         row = {"size": name, "op": op, "dtype": str(dtype).replace("torch.", ""), "T": T, "K": K, "D": D, "N": N,
                "P": P, "R": R, "bytes": nbytes}
         for backend in ("torch", "cupy"):
-            row[f"{backend}_ms"] = round(cuda_time_ms(lambda: fn(backend), iters), 4)
+            row[f"{backend}_ms"] = round(cuda_time_ms(lambda fn=fn, backend=backend: fn(backend), iters), 4)
         got, want = fn("cupy"), fn("torch")
         if op == "dedup_pairs":
             row["matches_ref"] = all(torch.equal(a, b) for a, b in zip(got, want))
@@ -146,7 +146,7 @@ def bench_flags(iters: int) -> dict:
     for backend in ("torch", "cupy"):
         flags = chunk_ready_flags(16, "cuda", backend=backend)
         result[f"{backend}_wait_mode"] = flags.wait_mode
-        for rep in range(2):  # first round compiles / warms up
+        for _ in range(2):  # first round compiles / warms up
             flags.new_epoch()
             torch.cuda.synchronize()
             start = time.perf_counter()

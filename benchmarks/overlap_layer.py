@@ -135,7 +135,8 @@ def main() -> None:
         "overlap_on_over_lower_bound": results["cobalt_overlap"] / bound,
     }
     if "wire" in results:
-        ratios["overlap_on_over_max_wire_compute"] = results["cobalt_overlap"] / max(results["wire"], results["compute"])
+        wire_or_compute = max(results["wire"], results["compute"])
+        ratios["overlap_on_over_max_wire_compute"] = results["cobalt_overlap"] / wire_or_compute
     if rank == 0:
         print(f"one MoE layer fwd+bwd, {world} ranks, {args.tokens} tokens/rank, D={D}, F={args.ffn}, "
               f"E={E}, k={args.top_k}; median of {args.iters} (slowest rank)")

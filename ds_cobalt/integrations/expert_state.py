@@ -18,8 +18,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 
 Piece = tuple[torch.nn.Parameter, "int | None"]
 

@@ -174,9 +174,9 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
         # Phase 2: agree, then swap. Only local writes from here on.
         ok = _all_ranks_ok(error is None)
         if ok:
-            for (index, layer, slots, moves), recv in zip(moving, staged):
+            for (_, layer, _, moves), recv in zip(moving, staged):
                 _write_rows(io, layer, moves, recv)
-            for index, layer, slots, moves in plans:
+            for _, layer, slots, _ in plans:
                 layer.install_layout(slots)
     report = MigrationReport(
         ok=ok, step=step, reason=reason,

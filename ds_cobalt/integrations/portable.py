@@ -363,7 +363,7 @@ def _read_v1(directory: str, files: dict[int, str]) -> PortableState:
             "rows": (lambda v: isinstance(v, dict) and all(
                 isinstance(k, str) and torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 1
                 for k, t in v.items()), "{key: 1-D float32 tensor}"),
-            "fields": (lambda v: isinstance(v, dict) and set(v) == set(payload["rows"])
+            "fields": (lambda v, payload=payload: isinstance(v, dict) and set(v) == set(payload["rows"])
                        and all(_is_str_list(f) for f in v.values()), "{key: [field, ...]} for every row"),
             "group_steps": (lambda v: isinstance(v, list) and all(_is_number(s) for s in v), "a list of numbers"),
             "global_steps": (_is_int, "an int"),

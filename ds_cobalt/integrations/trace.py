@@ -13,7 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..planner.trace import Trace, save_trace as write_trace
+from ..planner.trace import Trace
+from ..planner.trace import save_trace as write_trace
 from .layers import layer_cores
 
 

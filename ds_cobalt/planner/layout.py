@@ -107,7 +107,8 @@ def validate_layout(layout: Layout) -> None:
     if E % W != 0:
         raise ValueError(f"layout: num_experts={E} is not divisible by nodes*gpus_per_node={N}*{G}={W}")
     if slots.ndim != 3 or not np.issubdtype(slots.dtype, np.integer):
-        raise ValueError(f"layout: slots must be an integer array [layers, ranks, slots], got {slots.dtype} {slots.shape}")
+        raise ValueError(
+            f"layout: slots must be an integer array [layers, ranks, slots], got {slots.dtype} {slots.shape}")
     if slots.shape[0] < 1:
         raise ValueError("layout: 'layers' is empty")
     if slots.shape[1] != W:

@@ -29,8 +29,17 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
-from .dispatch import (RailPlan, RelayRoutes, plan_counts, node_counts, node_counts_many, plan_rail, rail_payload,
-                       relay_routes, weighted_sum)
+from .dispatch import (
+    RailPlan,
+    RelayRoutes,
+    node_counts,
+    node_counts_many,
+    plan_counts,
+    plan_rail,
+    rail_payload,
+    relay_routes,
+    weighted_sum,
+)
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups
 from .traffic import ExchangeCounts
@@ -391,4 +400,5 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     G = groups.topology.ranks_per_node
     return out_TD, ExchangeCounts(
         tokens=T, pairs_sent=rail.pairs_sent, pairs_received=rail.pairs_received, routes_sent=rail.routes_sent,
-        node_send=tuple(sum(node_send[g::G]) for g in range(G)), node_recv=tuple(sum(node_recv[g::G]) for g in range(G)))
+        node_send=tuple(sum(node_send[g::G]) for g in range(G)),
+        node_recv=tuple(sum(node_recv[g::G]) for g in range(G)))

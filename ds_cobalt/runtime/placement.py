@@ -78,7 +78,8 @@ def build_placement(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int,
                           as_tensor(rank_ENM), as_tensor(slot_ENM))
 
 
-def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
+                 src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick a physical copy (EP rank, slot) for every (token, route) of tokens living on `src_rank`.
 
     Nodes first: a route goes to the token's own node when it holds the expert, else to a node the

@@ -6,7 +6,8 @@ the tuner times the layer's forward at a few sizes around the guess. Rail chunks
 "auto"`): more chunks hide more of the relays' compute behind the inter-node transfer but add a count
 exchange and messages per chunk; the guess is 2, then 1, 2 and 4 are timed (after the tile size is fixed,
 so the two measurements do not mix). Overlap itself (`overlap.enabled: "auto"`): with the chosen tiles and
-chunks, one forward overlapped and one phased; the faster schedule stays. Each trial is one forward after one warm-up; the fastest wins. Every rank
+chunks, one forward overlapped and one phased; the faster schedule stays. Each trial is one forward after one
+warm-up; the fastest wins. Every rank
 of the EP group walks the same candidate list and agrees on the winner through one all-reduce, because
 sender and receiver must cut rows into the same tiles and chunks.
 """

@@ -129,7 +129,8 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         name="emulated-cpu", gpus_per_node=2, inter_node_bw_gpu=119.5e6, inter_node_bw_node=119.5e6,
         intra_node_bw=716e6, latency_s=0.0, collective_overhead_s=2.82e-3, gemm_flops=21.7e9,
         overlap=False,
-        source="ds-cobalt calibrate on the 2-core development machine, 2026-11-30 (tests/data/emulated_cpu_hardware.json): "
+        source="ds-cobalt calibrate on the 2-core development machine, 2026-11-30 "
+        "(tests/data/emulated_cpu_hardware.json): "
                "TCP goodput through the tbf veth (100mbit 12.29 MB/s, 1gbit 119.5 MB/s, 10gbit 658 MB/s), gloo "
                "all-to-all with 4 ranks on loopback (2.82 ms per collective, 716 MB/s intra-node), 4 concurrent "
                "single-thread expert MLPs 64x128 fwd+bwd (21.7 GFLOP/s each)",

@@ -72,7 +72,7 @@ def replay(
     steps: int = 16,
     replan_interval: int = 4,
     decay: float = 0.7,
-    link: LinkModel = LinkModel(),
+    link: LinkModel = LinkModel(),  # noqa: B008 - frozen dataclass
     progress: Callable[[int], None] | None = None,
 ) -> dict:
     """Replay `trace` in `steps` steps starting from `layout`; metrics per layer (mean over steps)."""

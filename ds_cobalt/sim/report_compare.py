@@ -138,7 +138,8 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
                            "serial_predicted_ratio": ds["predicted_serial_s"] / co["predicted_serial_s"],
                            "moe_only_predicted_ratio": ds["moe_s"] / co["moe_s"],
                            "rel_error": pred / meas - 1.0})
-    return {"t_fixed_s": t_fixed_pipe, "t_fixed_serial_s": t_fixed, "anchor": list(anchor), "runs": rows, "ratios": ratios,
+    return {"t_fixed_s": t_fixed_pipe, "t_fixed_serial_s": t_fixed, "anchor": list(anchor), "runs": rows,
+            "ratios": ratios,
             "max_abs_rel_error": max((abs(r["rel_error"]) for r in ratios), default=0.0),
             "hardware": hw.to_json_dict()}
 

@@ -79,7 +79,8 @@ MIGRATING = {  # replanning with replicas, forced random owner migrations
 # The overlapped schedule sums expert-weight gradients over tiles and rounds, a different fp32 order than one
 # GEMM per expert; Adam (which turns ~1e-12 gradient differences on near-zero entries into ~1e-5 weight
 # differences) and top-k routing (a near-tie flips) amplify that into 1e-3 loss differences after 15-20 steps
-# here, so the overlapped run is held to 1e-5 over fewer steps (the layer itself: tests/integrations/test_moe_parity.py).
+# here, so the overlapped run is held to 1e-5 over fewer steps
+# (the layer itself: tests/integrations/test_moe_parity.py).
 OVERLAP = {"topology": {"ranks_per_node": 2}, "overlap": {"enabled": True, "tile_rows": 16, "rail_chunks": 2}}
 OVERLAP_STEPS = 8
 RANDOM_MIGRATIONS = (3, 9, 15)  # steps before which every rank migrates to the same random owner layout

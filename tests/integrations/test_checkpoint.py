@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_migration import E, LAYERS, build_engine, random_owner_layout, train
+from test_migration import LAYERS, E, build_engine, random_owner_layout, train
 
 
 def _layouts(engine) -> list[np.ndarray]:

@@ -114,7 +114,8 @@ def _launch_example(tmp_path: Path, name: str, config: Path, *extra: str) -> dic
     metrics = tmp_path / f"{name}.json"
     cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(free_port()),
            str(REPO_ROOT / "examples" / "hf_trainer_mixtral.py"), "--deepspeed", str(config),
-           "--steps", str(STEPS), "--output-dir", str(tmp_path / name), "--metrics-out", str(metrics), *extra]  # fmt: skip
+           "--steps", str(STEPS), "--output-dir", str(tmp_path / name), "--metrics-out", str(metrics),
+           *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -149,4 +150,5 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     assert sum(c["cobalt/migration_failures"]) == 0
     # the Trainer's checkpoint went through ds_cobalt's save wrapper (logical order + portable state)
     saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
-    assert sorted(p.name for p in saved.glob("cobalt_state_rank*.json")) == [f"cobalt_state_rank{r}.json" for r in range(4)]
+    manifests = sorted(p.name for p in saved.glob("cobalt_state_rank*.json"))
+    assert manifests == [f"cobalt_state_rank{r}.json" for r in range(4)]

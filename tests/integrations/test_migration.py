@@ -7,6 +7,7 @@ Helpers here are shared with tests/integrations/test_checkpoint.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -17,17 +18,22 @@ E, D, HIDDEN, K, LAYERS, MICRO = 8, 16, 32, 2, 2, 8
 
 # ------------------------------------------------------------------------------------------- helpers
 def build_engine(impl: str, stage: int, *, ep_size: int = 4, dtype: str = "fp32", cobalt: dict | None = None,
-                 clip: float = 1.0, extra: dict | None = None):
+                 clip: float = 1.0, extra: dict | None = None, plain_initialize: bool = False):
     """A tiny model (input Linear + 2 MoE layers, E=8, D=16) and its engine; logical expert e gets the
-    same weights whatever the implementation or the world size."""
+    same weights whatever the implementation or the world size. `plain_initialize`: `ds_cobalt.MoE` layers
+    under `deepspeed.initialize` (the `"cobalt"` section goes to the layers' constructor instead)."""
+    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    import deepspeed
     import ds_cobalt
 
     cls = ds_cobalt.MoE if impl == "cobalt" else deepspeed.moe.layer.MoE
+    if plain_initialize:
+        from ds_cobalt.config import parse_cobalt_config
+
+        cls = functools.partial(ds_cobalt.MoE, cobalt_config=parse_cobalt_config(cobalt or {}))
 
     class Expert(torch.nn.Module):
         def __init__(self) -> None:
@@ -77,7 +83,7 @@ def build_engine(impl: str, stage: int, *, ep_size: int = 4, dtype: str = "fp32"
     config.update(extra or {})
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "params"})
-    if impl == "cobalt":
+    if impl == "cobalt" and not plain_initialize:
         config["cobalt"] = {"topology": {"ranks_per_node": 2}, **(cobalt or {})}
         engine, *_ = ds_cobalt.initialize(args=None, model=model, model_parameters=groups, config=config)
     else:

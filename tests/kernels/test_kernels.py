@@ -6,12 +6,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from ds_cobalt.kernels import chunk_ready_flags, dedup_pairs, gather_rows, ref, resolve_backend, weighted_scatter_add

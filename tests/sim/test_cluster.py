@@ -13,11 +13,23 @@ import pytest
 from ds_cobalt.planner.layout import Layout, contiguous_layout
 from ds_cobalt.planner.trace import Trace
 from ds_cobalt.sim.cluster import (
-    VARIANTS, cobalt_rows, deepspeed_rows, predict_step_times, predict_synthetic, step_of_tokens,
+    VARIANTS,
+    cobalt_rows,
+    deepspeed_rows,
+    predict_step_times,
+    predict_synthetic,
+    step_of_tokens,
 )
 from ds_cobalt.sim.hardware import (
-    HARDWARE_PRESETS, MODEL_SHAPES, Hardware, ModelShape, get_hardware, hardware_from_dict, load_hardware_json,
-    parse_rate, save_hardware_json,
+    HARDWARE_PRESETS,
+    MODEL_SHAPES,
+    Hardware,
+    ModelShape,
+    get_hardware,
+    hardware_from_dict,
+    load_hardware_json,
+    parse_rate,
+    save_hardware_json,
 )
 from ds_cobalt.sim.synth import synth_trace
 

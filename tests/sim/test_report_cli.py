@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 from ds_cobalt.cli import main
 from ds_cobalt.planner.layout import contiguous_layout, save_layout
 from ds_cobalt.planner.policies import plan_layout

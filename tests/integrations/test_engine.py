@@ -1,0 +1,67 @@
+"""`CobaltEngine`: what `ds_cobalt.initialize` returns, with its step and checkpoint behaviour as methods, and what
+a plain `deepspeed.initialize` engine does not get."""
+
+from __future__ import annotations
+
+import pytest
+from test_migration import build_engine, random_owner_layout, train
+
+
+def _engine_body(rank: int, world: int) -> dict:
+    import numpy as np
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_cobalt import CobaltEngine, cobalt_layers
+    from ds_cobalt.integrations.layers import layer_cores
+    from ds_cobalt.integrations.migration import migrate
+
+    out: dict = {}
+    engine = build_engine("cobalt", 0, cobalt={"planner": {"replan_interval": 4, "apply_lag": 1}})
+    out["types"] = (isinstance(engine, CobaltEngine), isinstance(engine, DeepSpeedEngine))
+    out["patched"] = sorted(k for k in ("step", "save_checkpoint", "load_checkpoint") if k in vars(engine))
+    out["hooks"] = [type(h).__name__ for h in engine.cobalt_step_hooks]
+    out["planning"] = [core.stats.planning for core in layer_cores(engine)]
+    out["same_layers"] = [layer.cobalt_core is core for layer, core in zip(cobalt_layers(engine), layer_cores(engine))]
+    train(engine, range(6))
+    out["replan_samples"] = int(sum(float(core.stats.coact_EE.sum()) for core in layer_cores(engine)))
+    pending = migrate(engine, [random_owner_layout(np.random.default_rng(3)) for _ in range(2)], asynchronous=True)
+    train(engine, range(6, 7))  # the forward commits each layer, the step would flush the rest
+    out["pending_ok"] = bool(pending.done and pending.report is not None and pending.report.ok)
+    return out
+
+
+def _plain_body(rank: int, world: int) -> dict:
+    import numpy as np
+
+    from ds_cobalt import CobaltEngine
+    from ds_cobalt.integrations.layers import layer_cores
+    from ds_cobalt.integrations.migration import migrate
+
+    engine = build_engine("cobalt", 0, cobalt={"topology": {"ranks_per_node": 2}}, plain_initialize=True)
+    out = {"cobalt_engine": isinstance(engine, CobaltEngine)}
+    train(engine, range(2))
+    out["planning"] = [core.stats.planning for core in layer_cores(engine)]
+    out["coact"] = float(sum(float(core.stats.coact_EE.sum()) for core in layer_cores(engine)))
+    with pytest.raises(ValueError, match="asynchronous=True"):
+        migrate(engine, [random_owner_layout(np.random.default_rng(5)) for _ in range(2)], asynchronous=True)
+    report = migrate(engine, [random_owner_layout(np.random.default_rng(5)) for _ in range(2)])
+    out["sync_ok"] = report.ok
+    return out
+
+
+def test_initialize_returns_a_cobalt_engine_with_methods(run_ranks) -> None:
+    for out in run_ranks(_engine_body, 4, ranks_per_node=2, timeout=300):
+        assert out["types"] == (True, True)
+        assert out["patched"] == []  # behaviour comes from the class, not from attributes on the instance
+        assert out["hooks"] == ["Replanner"]
+        assert out["planning"] == [True, True]  # a replanner reads co-activation, so it is counted
+        assert out["same_layers"] == [True, True]
+        assert out["replan_samples"] > 0
+        assert out["pending_ok"]
+
+
+def test_plain_engine_counts_no_coactivation_and_refuses_async_migration(run_ranks) -> None:
+    for out in run_ranks(_plain_body, 4, ranks_per_node=2, timeout=300):
+        assert out["cobalt_engine"] is False
+        assert out["planning"] == [False, False] and out["coact"] == 0.0
+        assert out["sync_ok"]
