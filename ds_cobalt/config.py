@@ -128,8 +128,21 @@ class KernelsConfig(_Section):
     backend: Literal["torch", "cupy", "auto"] = "torch"
 
 
+class TransportConfig(_Section):
+    """How a layer's tokens travel (runtime/layer.py). `hierarchical`: each token crosses to each remote node
+    once, then a relay forwards it inside the node (fewest cross-node bytes, more collective calls).
+    `direct`: one exchange each way over the EP group, each token once to each destination rank (DeepSpeed's
+    call pattern, never more bytes than DeepSpeed). `auto`: whichever trains faster here, measured on the
+    layer's first steps (step time from one forward of the layer to the next) and re-measured after each layout
+    change; all ranks agree through one all-reduce. The overlapped schedule is hierarchical: with
+    `overlap.enabled` on, `auto` means `hierarchical`."""
+
+    schedule: Literal["auto", "hierarchical", "direct"] = "auto"
+
+
 class CobaltConfig(_Section):
     topology: TopologyConfig = TopologyConfig()
+    transport: TransportConfig = TransportConfig()
     traffic: TrafficConfig = TrafficConfig()
     trace: TraceConfig = TraceConfig()
     overlap: OverlapConfig = OverlapConfig()

@@ -178,8 +178,8 @@ def node_counts_many(relays: Sequence[RelayRoutes], groups: EPGroups,
 
 def plan_counts(plan: RailPlan, node_send: Sequence[int], node_recv: Sequence[int]) -> ExchangeCounts:
     """The split sizes of one rail plan and its intra-node exchange."""
-    return ExchangeCounts(tokens=plan.num_tokens, pairs_sent=sum(plan.rail_send), pairs_received=sum(plan.rail_recv),
-                          routes_sent=sum(plan.route_send), node_send=tuple(node_send), node_recv=tuple(node_recv))
+    return ExchangeCounts(tokens=plan.num_tokens, rail_send=plan.rail_send, rail_recv=plan.rail_recv,
+                          route_send=plan.route_send, node_send=tuple(node_send), node_recv=tuple(node_recv))
 
 
 def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,

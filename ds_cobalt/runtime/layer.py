@@ -13,10 +13,16 @@ checkpoints, replanning, traces and the HF callback talk to the core only, throu
 - `call_before_next_forward(fn)`: run `fn` right before the layer's next forward (a migration commit).
 
 Counting wraps the exchange: the exchange reports split sizes, the core turns them into `StepTraffic`.
+
+Schedules (`transport.schedule`): `hierarchical` runs the exchange on the real topology (rail, then node);
+`direct` runs the same exchange on a flat view of the EP group, every rank its own "node" (one exchange each
+way over the whole group, each token once per destination rank). `auto` times both on the first steps after
+each layout change (`StepTimedChoice`) and keeps the faster; the choice is logged and kept in `schedule`.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -31,12 +37,26 @@ from .moe_exchange import OverlapSettings, moe_exchange, slot_experts
 from .placement import LayerPlacement, build_placement
 from .replicas import ReplicaPlan, plan_replicas
 from .stats import DeviceRoutingStats
-from .tile_tuner import OverlapTuner
+from .tile_tuner import OverlapTuner, StepTimedChoice
 from .topology import EPGroups, Topology
 from .traffic import StepTraffic, TrafficCounters
 
 # A piece of an expert's training state: a whole parameter (`row=None`) or one row of a fused tensor.
 Piece = tuple[torch.nn.Parameter, "int | None"]
+
+HIERARCHICAL, DIRECT = "hierarchical", "direct"
+
+# A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
+_log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
+
+
+@dataclass(frozen=True)
+class _Phased:
+    """Overlap settings of the direct schedule (always phased)."""
+
+    enabled: bool = False
+    tile_rows: int | str = "auto"
+    rail_chunks: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -58,9 +78,16 @@ class _Settings(Protocol):
     @property
     def kernels(self) -> "_KernelSettings": ...
 
+    @property
+    def transport(self) -> "_TransportSettings": ...
+
 
 class _KernelSettings(Protocol):
     backend: str
+
+
+class _TransportSettings(Protocol):
+    schedule: str
 
 
 class LayerCore:
@@ -81,7 +108,10 @@ class LayerCore:
         self._owner = weakref.ref(owner)
         self._pieces = pieces
         self._groups: EPGroups | None = None
+        self._flat_groups: EPGroups | None = None  # the direct schedule's view: every rank its own node
         self._placement: LayerPlacement | None = None
+        self._flat_placement: LayerPlacement | None = None
+        self._chooser: StepTimedChoice | None = None
         self._replica_plan: ReplicaPlan | None = None
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
@@ -91,6 +121,8 @@ class LayerCore:
         """Use `groups` and DeepSpeed's contiguous layout."""
         self._groups = groups
         topo = groups.topology
+        self._flat_groups = EPGroups(Topology(topo.world_size, 1, topo.rank), groups.ep_ranks, groups.ep_group,
+                                     groups.ep_group, None)
         self.install_layout(contiguous_layout(self.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
 
     def configure(self, settings: _Settings) -> None:
@@ -146,7 +178,28 @@ class LayerCore:
         """Switch the lookup tables to `slots_WS`; the caller guarantees the owner weights match it."""
         topo = self.topology
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, self._device())
+        self._flat_placement = build_placement(slots_WS, 1, self.num_experts, self._device())
         self._replica_plan = plan_replicas(self._placement, topo.rank)
+        self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
+
+    def _schedule_candidates(self) -> list[str]:
+        wanted = self.settings.transport.schedule
+        if wanted != "auto":
+            return [wanted]
+        topo = self.topology
+        if self.settings.overlap.enabled or topo.nodes == 1 or topo.ranks_per_node == 1:
+            return [HIERARCHICAL]  # overlap is hierarchical; on one node or one rank per node the rail is it
+        return [HIERARCHICAL, DIRECT]
+
+    @property
+    def schedule(self) -> str | None:
+        """The schedule in use (None while `auto` is still timing the candidates)."""
+        return None if self._chooser is None else self._chooser.chosen
+
+    @property
+    def schedule_timings(self) -> dict[str, float]:
+        """Median step seconds per candidate of the last `auto` decision (slowest rank), empty before one."""
+        return {} if self._chooser is None else dict(self._chooser.medians)
 
     # ----- training state and hooks ----------------------------------------------------------------
     def expert_state_pieces(self, slot: int) -> list[Piece]:
@@ -171,21 +224,31 @@ class LayerCore:
             deepspeed_capacity: int = 0) -> torch.Tensor:
         """`[T, D]` weighted expert outputs for the router's `topk_ids_TK` (int, -1 = dropped) and
         `weights_TK`. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none), for the counters."""
-        groups, placement = self.groups, self.placement
+        topo, chooser = self.topology, self._chooser
+        decided = chooser.chosen is not None
+        schedule = chooser.pick(x_TD.device, self.groups)
+        if not decided and chooser.chosen is not None and topo.rank == 0:
+            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s)", chooser.chosen,
+                      {c: round(t, 5) for c, t in chooser.medians.items()})
+        direct = schedule == DIRECT
+        groups = self._flat_groups if direct else self.groups
+        placement = self._flat_placement if direct else self.placement
         self.stats.update(topk_ids_TK)
         if self.trace_rows is not None:
             self.trace_rows.append(topk_ids_TK.detach().cpu())
         slots, anchor = slot_experts(experts.module, experts.names, experts.owner_tensors, placement,
                                      self._replica_plan, groups)
         out_TD, counts = moe_exchange(x_TD, topk_ids_TK, weights_TK, placement, groups, slots,
-                                      overlap=self.settings.overlap, tuner=self.tuner,
+                                      overlap=_Phased() if direct else self.settings.overlap, tuner=self.tuner,
                                       backend=self.backend(x_TD.device))
         if anchor is not None:
             out_TD = out_TD + anchor
         row_bytes = x_TD.shape[1] * x_TD.element_size()
-        self.traffic.add(StepTraffic.measure(counts, row_bytes=row_bytes, topology=groups.topology,
-                                             experts_per_rank=placement.owner_slots_per_rank,
-                                             deepspeed_capacity=deepspeed_capacity))
-        self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, groups.topology),
-                                          row_bytes)
+        G = topo.ranks_per_node
+        rail_nodes = [p // G for p in range(topo.world_size)] if direct else list(range(topo.nodes))
+        self.traffic.add(StepTraffic.measure(
+            counts, row_bytes=row_bytes, topology=topo, experts_per_rank=placement.owner_slots_per_rank,
+            deepspeed_capacity=deepspeed_capacity, rail_peer_node=rail_nodes,
+            rail_self=topo.rank if direct else topo.node, node_self=0 if direct else topo.local_rank))
+        self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, topo), row_bytes)
         return out_TD

@@ -394,11 +394,9 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
         out_TD = out_TD.index_add(0, ch.plan.pair_token_P + ch.span[0], returned_PD.float())
     out_TD = out_TD.to(x_TD.dtype)
 
-    rail = ExchangeCounts.total([plan_counts(plan, (), ()) for plan in plans])
+    G = groups.topology.ranks_per_node
     node_send = [sum(row) for send_GS, _ in counts for row in send_GS]
     node_recv = [sum(row) for _, recv_GS in counts for row in recv_GS]
-    G = groups.topology.ranks_per_node
-    return out_TD, ExchangeCounts(
-        tokens=T, pairs_sent=rail.pairs_sent, pairs_received=rail.pairs_received, routes_sent=rail.routes_sent,
-        node_send=tuple(sum(node_send[g::G]) for g in range(G)),
-        node_recv=tuple(sum(node_recv[g::G]) for g in range(G)))
+    node = (tuple(sum(node_send[g::G]) for g in range(G)), tuple(sum(node_recv[g::G]) for g in range(G)))
+    zero = ((0,) * G, (0,) * G)
+    return out_TD, ExchangeCounts.total([plan_counts(plan, *(node if i == 0 else zero)) for i, plan in enumerate(plans)])

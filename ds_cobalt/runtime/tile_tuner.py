@@ -124,3 +124,46 @@ class OverlapTuner:
 
     def chosen(self) -> dict[str, int | None]:
         return {"tile_rows": self.tiles.chosen, "rail_chunks": self.chunks.chosen, "overlap": self.mode.chosen}
+
+
+class StepTimedChoice:
+    """Picks one of `candidates` by timing whole training steps: a trial runs from one forward of the layer to
+    its next forward, so it includes the backward (and everything else of the step, which is the same for
+    every candidate). Trials alternate candidates `repeats` times after `warmup` steps; the lowest median
+    wins. Every rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the
+    slowest rank decides)."""
+
+    def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1) -> None:
+        self.candidates = list(candidates)
+        self.trials = [self.candidates[0]] * warmup + self.candidates * repeats
+        self.warmup = warmup
+        self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
+        self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 else None
+        self.medians: dict[str, float] = {}
+        self._trial = 0
+        self._started: float | None = None
+
+    def pick(self, device: torch.device, groups: EPGroups) -> str:
+        """The candidate this forward runs with (closing the previous trial first)."""
+        if self.chosen is not None:
+            return self.chosen
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NOTE: host sync, only during the trials
+        now = time.perf_counter()
+        if self._started is not None:
+            if self._trial >= self.warmup:
+                self.times[self.trials[self._trial]].append(now - self._started)
+            self._trial += 1
+        if self._trial == len(self.trials):
+            self._decide(groups)
+            return self.chosen  # type: ignore[return-value]
+        self._started = now
+        return self.trials[self._trial]
+
+    def _decide(self, groups: EPGroups) -> None:
+        medians = torch.tensor([float(torch.tensor(self.times[c]).median()) for c in self.candidates],
+                               dtype=torch.float64)
+        if groups.ep_group is not None:
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        self.medians = dict(zip(self.candidates, medians.tolist()))
+        self.chosen = self.candidates[int(medians.argmin())]

@@ -22,31 +22,34 @@ SLOT_ID_BYTES = 0  # slots are implied: relays send rows sorted by slot and the 
 
 @dataclass(frozen=True)
 class ExchangeCounts:
-    """Split sizes of one forward's exchange on this rank (host ints, known to the collectives anyway)."""
+    """Split sizes of one forward's exchange on this rank (host ints, known to the collectives anyway).
+
+    Rail stage: one entry per rail peer (per node for the hierarchical schedule, per EP rank for the direct one).
+    Node stage: one entry per local rank of the node group (one entry, this rank, for the direct schedule)."""
 
     tokens: int
-    pairs_sent: int  # (token, remote node) rows sent on the rail
-    pairs_received: int  # rows received on the rail (each returns one combined row)
-    routes_sent: int  # remote routes' metadata rows sent on the rail
+    rail_send: tuple[int, ...]  # token rows sent to each rail peer (each returns one combined row)
+    rail_recv: tuple[int, ...]  # token rows received from each rail peer
+    route_send: tuple[int, ...]  # remote routes' metadata rows sent to each rail peer
     node_send: tuple[int, ...]  # rows sent to each local rank (this one included)
     node_recv: tuple[int, ...]  # rows received from each local rank
 
     @staticmethod
     def total(parts: Sequence["ExchangeCounts"]) -> "ExchangeCounts":
         """Counts of several exchanges of one forward (e.g. rail chunks and overlap rounds) added up."""
-        first = parts[0]
-        return ExchangeCounts(
-            tokens=sum(p.tokens for p in parts), pairs_sent=sum(p.pairs_sent for p in parts),
-            pairs_received=sum(p.pairs_received for p in parts), routes_sent=sum(p.routes_sent for p in parts),
-            node_send=tuple(map(sum, zip(*(p.node_send for p in parts)))) if first.node_send else (),
-            node_recv=tuple(map(sum, zip(*(p.node_recv for p in parts)))) if first.node_recv else ())
+        def add(name: str) -> tuple[int, ...]:
+            return tuple(map(sum, zip(*(getattr(p, name) for p in parts))))
+
+        return ExchangeCounts(tokens=sum(p.tokens for p in parts), rail_send=add("rail_send"),
+                              rail_recv=add("rail_recv"), route_send=add("route_send"), node_send=add("node_send"),
+                              node_recv=add("node_recv"))
 
 
 @dataclass(frozen=True)
 class StepTraffic:
     """Bytes and rows this rank sends in one forward of one MoE layer."""
 
-    inter_node_rows: int = 0  # (token, node) rows sent on the rail: dispatch + combine return
+    inter_node_rows: int = 0  # token rows sent to other nodes: dispatch + combine return
     inter_node_bytes: int = 0  # those rows plus route metadata and gate weights
     intra_node_rows: int = 0  # rows sent to other ranks of this node: dispatch + combine return
     intra_node_bytes: int = 0
@@ -56,18 +59,27 @@ class StepTraffic:
 
     @classmethod
     def measure(cls, counts: ExchangeCounts, *, row_bytes: int, topology, experts_per_rank: int,
-                deepspeed_capacity: int) -> "StepTraffic":
-        me = topology.local_rank
+                deepspeed_capacity: int, rail_peer_node: Sequence[int], rail_self: int | None,
+                node_self: int) -> "StepTraffic":
+        """`rail_peer_node[p]`: the node of rail peer p; `rail_self`: this rank among the rail peers (None when
+        it is not one: the hierarchical rail holds one rank per node); `node_self`: this rank in the node stage."""
+        inter_rows = inter_meta = intra_rows = intra_meta = 0
+        for p, node in enumerate(rail_peer_node):
+            rows, meta = counts.rail_send[p] + counts.rail_recv[p], counts.route_send[p]
+            if node != topology.node:
+                inter_rows, inter_meta = inter_rows + rows, inter_meta + meta
+            elif p != rail_self:
+                intra_rows, intra_meta = intra_rows + rows, intra_meta + meta
         node_send, node_recv = counts.node_send, counts.node_recv
-        inter_rows = counts.pairs_sent + counts.pairs_received  # dispatch out + combine return of received pairs
-        intra_rows = (sum(node_send) - node_send[me]) + (sum(node_recv) - node_recv[me])
+        node_out = sum(node_send) - node_send[node_self]
+        intra_rows += node_out + sum(node_recv) - node_recv[node_self]
         remote_ranks = topology.world_size - topology.ranks_per_node
         ds_padded_rows = 2 * remote_ranks * experts_per_rank * deepspeed_capacity
         return cls(
             inter_node_rows=inter_rows,
-            inter_node_bytes=inter_rows * row_bytes + counts.routes_sent * META_BYTES_PER_ROUTE,
+            inter_node_bytes=inter_rows * row_bytes + inter_meta * META_BYTES_PER_ROUTE,
             intra_node_rows=intra_rows,
-            intra_node_bytes=intra_rows * row_bytes + (sum(node_send) - node_send[me]) * SLOT_ID_BYTES,
+            intra_node_bytes=intra_rows * row_bytes + intra_meta * META_BYTES_PER_ROUTE + node_out * SLOT_ID_BYTES,
             deepspeed_inter_node_bytes_padded=ds_padded_rows * row_bytes,
             tokens=counts.tokens,
             expert_rows=sum(node_recv),

@@ -32,7 +32,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
                   use_residual=case.get("residual", False), noisy_gate_policy=case.get("noise"))
     ref = DeepSpeedMoE(D, copy.deepcopy(expert), E, **kwargs)  # use_residual keeps `expert` itself as mlp
     cfg = parse_cobalt_config({"topology": {"ranks_per_node": case.get("ranks_per_node", 2)},
-                               "overlap": case.get("overlap", {})})
+                               "overlap": case.get("overlap", {}), "transport": case.get("transport", {})})
     ours = ds_cobalt.MoE(D, copy.deepcopy(expert), E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     dtype = getattr(torch, case.get("dtype", "float32"))
@@ -64,9 +64,11 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     results["nodes"] = ours.topology.nodes
     results["routed_ids"] = ours.trace_rows[0].numpy()
     results["dropped_routes"] = int((ours.trace_rows[0] < 0).sum())
+    results["schedule"] = ours.cobalt_core.schedule
     return results
 
 
+DIRECT = {"schedule": "direct"}
 CASES = {
     "k1_dropless_uneven": dict(E=8, k=1, drop=False, tokens=[12, 7, 20, 5]),
     "k2_dropless_uneven": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5]),
@@ -99,6 +101,12 @@ CASES = {
                                    overlap={"enabled": True, "tile_rows": 3, "rail_chunks": 1}),
     "overlap_more_rail_chunks_than_tokens": dict(E=8, k=2, drop=False, tokens=[12, 3, 20, 0],
                                                  overlap={"enabled": True, "tile_rows": 5, "rail_chunks": 5}),
+    "direct_k2_dropless_uneven": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], transport=DIRECT),
+    "direct_k2_empty_rank": dict(E=8, k=2, drop=False, tokens=[12, 0, 20, 5], transport=DIRECT),
+    "direct_k2_capacity": dict(E=8, k=2, drop=True, tokens=[24, 24, 24, 24], cf=0.75, transport=DIRECT),
+    "direct_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1], transport=DIRECT),
+    "direct_bf16_k2": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16", transport=DIRECT),
+    "direct_one_node_of_4": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=4, transport=DIRECT),
     "overlap_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
                              overlap={"enabled": True, "tile_rows": 2}),
 }
@@ -180,3 +188,35 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
         assert got["intra_node_rows"] == sent_intra + recv_intra
         assert got["deepspeed_inter_node_bytes_dropless"] == 2 * remote_routes[rank] * row_bytes
         assert got["inter_node_rows"] <= 2 * remote_routes[rank] + pairs_recv[rank]
+
+
+def test_schedule_in_use(parity_results) -> None:
+    assert all(r["schedule"] == "direct" for name in CASES if name.startswith("direct")
+               for r in parity_results[name])
+    # `auto` is still timing after one forward; the first trial runs the hierarchical schedule
+    assert all(r["schedule"] is None for r in parity_results["k2_dropless_uneven"])
+
+
+@pytest.mark.parametrize("name", ["direct_k2_dropless_uneven", "direct_k2_capacity", "direct_k2_empty_rank"])
+def test_direct_traffic_counts_each_token_once_per_rank(parity_results, name: str) -> None:
+    """Direct schedule: one row per (token, destination rank) each way; cross-node vs same-node by the rank's node."""
+    results = parity_results[name]
+    W, G, E = 4, 2, CASES[name]["E"]
+    owner_rank = np.arange(E) // (E // W)
+    ids = [np.asarray(r["routed_ids"]) for r in results]
+    inter = np.zeros(W, dtype=int)
+    intra = np.zeros(W, dtype=int)
+    remote_routes = np.zeros(W, dtype=int)
+    for src in range(W):
+        for row in ids[src]:
+            dests = owner_rank[row[row >= 0]]
+            for dst in set(dests.tolist()) - {src}:
+                counter = inter if dst // G != src // G else intra
+                counter[src] += 1  # the row out
+                counter[dst] += 1  # its combined row back
+            remote_routes[src] += int(sum(d // G != src // G for d in dests))
+    for rank, res in enumerate(results):
+        got = res["traffic"]
+        assert got["inter_node_rows"] == inter[rank]
+        assert got["intra_node_rows"] == intra[rank]
+        assert got["deepspeed_inter_node_bytes_dropless"] == 2 * remote_routes[rank] * D * 4

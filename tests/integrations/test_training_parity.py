@@ -34,13 +34,14 @@ def _model(moe_cls, seed: int, ep_size: int = 4):
 
 
 def _train_body(rank: int, world: int, zero_stage: int, trace_path: str, ep_size: int = 4,
-                ranks_per_node: int = 2) -> dict:
+                ranks_per_node: int = 2, schedule: str = "auto") -> dict:
     import deepspeed
     import torch
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     import ds_cobalt
+    import ds_cobalt.integrations.layers
 
     base = {
         "train_micro_batch_size_per_gpu": 16,
@@ -49,7 +50,7 @@ def _train_body(rank: int, world: int, zero_stage: int, trace_path: str, ep_size
         "gradient_clipping": 1.0,
     }
     cobalt = {"topology": {"ranks_per_node": ranks_per_node}, "trace": {"path": trace_path, "steps": 5},
-              "traffic": {"log_interval": 10}}
+              "traffic": {"log_interval": 10}, "transport": {"schedule": schedule}}
     losses: dict[str, list[float]] = {}
     reference_state = None
     for impl in ("deepspeed", "cobalt"):
@@ -78,13 +79,19 @@ def _train_body(rank: int, world: int, zero_stage: int, trace_path: str, ep_size
         losses[impl] = run
         if impl == "cobalt":
             losses["traffic"] = ds_cobalt.traffic_summary(engine)
+            losses["schedules"] = [core.schedule for core in ds_cobalt.integrations.layers.layer_cores(engine)]
     return losses
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_training_losses_match_deepspeed(run_ranks, tmp_path, zero_stage: int) -> None:
+@pytest.mark.parametrize("zero_stage,schedule", [(0, "auto"), (2, "auto"), (1, "direct")])
+def test_training_losses_match_deepspeed(run_ranks, tmp_path, zero_stage: int, schedule: str) -> None:
+    """With `auto` the first steps alternate the hierarchical and direct schedules (a switch mid-training)."""
     trace_path = str(tmp_path / "trace.npz")
-    results = run_ranks(_train_body, 4, zero_stage, trace_path, ranks_per_node=2, timeout=400)
+    results = run_ranks(_train_body, 4, zero_stage, trace_path, 4, 2, schedule, ranks_per_node=2, timeout=400)
+    chosen = {tuple(res["schedules"]) for res in results}
+    assert len(chosen) == 1  # every rank agreed
+    expected = {"hierarchical", "direct"} if schedule == "auto" else {schedule}
+    assert set(next(iter(chosen))) <= expected
     for rank, res in enumerate(results):
         np.testing.assert_allclose(res["cobalt"], res["deepspeed"], rtol=0, atol=1e-5, err_msg=f"rank {rank}")
         assert np.mean(res["deepspeed"][-3:]) < np.mean(res["deepspeed"][:3])  # it trained
