@@ -1,10 +1,13 @@
 """End-to-end comparison on the emulated 2 x 2 cluster: DeepSpeed's MoE vs ds_cobalt, back to back.
 
-    sudo python benchmarks/e2e_cluster.py [--rates 100mbit 1gbit 10gbit] [--steps 30] [--out runs/e2e]
+    sudo python benchmarks/e2e_cluster.py [--rates loopback 10gbit 1gbit 100mbit] [--steps 30] [--out runs/e2e]
 
 Variants (same data, seed and initial weights; examples/train_moe.py):
   a  deepspeed          DeepSpeed's own MoE layer and all-to-all
-  b  cobalt             ds_cobalt, contiguous layout: each token crosses to each remote node once
+  b  cobalt             ds_cobalt's defaults, contiguous layout: the hierarchical schedule, each token crosses
+                        to each remote node once
+  (opt-in) cobalt-direct, cobalt-auto   (b) with `transport.schedule` "direct" (each token once per destination
+                        rank) or "auto" (both timed on the first steps, the faster kept)
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
@@ -32,7 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 VARIANTS = {
     "deepspeed": {"impl": "deepspeed", "cobalt": {}},
-    "cobalt": {"impl": "cobalt", "cobalt": {}},
+    "cobalt": {"impl": "cobalt", "cobalt": {}},  # the defaults (transport.schedule "hierarchical")
+    "cobalt-direct": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "direct"}}},
+    "cobalt-auto": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "auto"}}},
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
     }},
@@ -48,7 +53,9 @@ VARIANTS = {
 
 
 def rate_gbps(rate: str) -> float:
-    """tc rate syntax (100mbit, 1gbit, 10gbit) -> Gbit/s."""
+    """tc rate syntax (100mbit, 1gbit, 10gbit) -> Gbit/s; `loopback` (no limit) counts as 100 Gbit/s."""
+    if rate == "loopback":
+        return 100.0
     match = re.fullmatch(r"([\d.]+)\s*(k|m|g)?bit", rate.lower())
     if not match:
         raise ValueError(f"--rates: cannot read {rate!r}; use tc syntax like 100mbit or 1gbit")
@@ -110,8 +117,9 @@ def markdown(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
-    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if not v.endswith("-auto")],
+    p.add_argument("--rates", nargs="+", default=["loopback", "10gbit", "1gbit", "100mbit"])
+    p.add_argument("--variants", nargs="+", default=["deepspeed", "cobalt", "cobalt-placement",
+                                                     "cobalt-placement-overlap"],
                    choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default="runs/e2e")

@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = expert_rows_per_rank(args.moe_impl, model, meter)
     load_max_over_mean = max(rows) / (sum(rows) / len(rows)) if rows and sum(rows) else None
     migrations = len(getattr(engine, "cobalt_migrations", []))
+    schedules = transport_schedules(args.moe_impl, model)
     if recorder is not None:
         recorder.save(args.trace_out)
 
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         if load_max_over_mean is not None:
             print(f"expert load max/mean  {load_max_over_mean:.3f} over {len(rows)} ranks"
                   f"{'' if args.moe_impl == 'cobalt' else ' (routing demand)'}; migrations {migrations}")
+        if schedules:
+            print(f"transport schedule    {', '.join(s or 'undecided' for s in schedules)} (per MoE layer)")
         if padded:
             print(
                 f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                 "expert_rows_per_rank": rows,
                 "expert_load_max_over_mean": load_max_over_mean,
                 "migrations": migrations,
+                "transport_schedules": schedules,
                 "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                 "dtype": str(dtype),
             }
@@ -284,6 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     dist.barrier()
     # without this gloo aborts at interpreter exit ("terminate called without an active exception")
     dist.destroy_process_group()
+
+
+def transport_schedules(impl: str, model) -> list:
+    """The schedule each ds_cobalt layer uses (`transport.schedule`; None while `auto` is still timing)."""
+    if impl != "cobalt":
+        return []
+    from ds_cobalt.integrations.layers import layer_cores
+
+    return [core.schedule for core in layer_cores(model)]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 # Options (defaults in brackets):
 #   --nodes N            nodes = namespaces [2]; 2 nodes are joined by a veth pair, more by a bridge
 #   --ranks-per-node G   ranks per node [2]
-#   --rate R             inter-node bandwidth per direction, tc syntax (100mbit, 1gbit, ...) [1gbit]
+#   --rate R             inter-node bandwidth per direction, tc syntax (100mbit, 1gbit, ...), or `loopback`
+#                        (no limit: the veth link at full speed) [1gbit]
 #   --out DIR            logs and metrics [runs/cluster-<time>]
 #   --script PATH        training script [examples/train_moe.py]
 #   --timeout S          kill the job after S seconds [900]
@@ -102,6 +103,7 @@ dev_of() { echo "${TAG}a$1"; }   # node side of node i's link
 peer_of() { echo "${TAG}b$1"; }  # bridge side (N > 2)
 
 limit() {  # limit egress of device $2 in namespace $1
+    [[ $RATE == loopback ]] && return 0  # no limit
     # burst must cover at least one timer tick at the rate; 512 KiB is plenty up to a few Gbit/s
     tc -n "$1" qdisc add dev "$2" root tbf rate "$RATE" burst 512kb latency 100ms
 }

@@ -17,6 +17,22 @@ E, D, HIDDEN, K, LAYERS, MICRO = 8, 16, 32, 2, 2, 8
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def expert_mlp(d: int, hidden: int):
+    """`fc2(gelu(fc1(x)))`, the expert module of these tests."""
+    import torch
+
+    class Expert(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(d, hidden)
+            self.fc2 = torch.nn.Linear(hidden, d)
+
+        def forward(self, x):
+            return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    return Expert()
+
+
 def build_engine(impl: str, stage: int, *, ep_size: int = 4, dtype: str = "fp32", cobalt: dict | None = None,
                  clip: float = 1.0, extra: dict | None = None, plain_initialize: bool = False):
     """A tiny model (input Linear + 2 MoE layers, E=8, D=16) and its engine; logical expert e gets the
@@ -35,14 +51,7 @@ def build_engine(impl: str, stage: int, *, ep_size: int = 4, dtype: str = "fp32"
 
         cls = functools.partial(ds_cobalt.MoE, cobalt_config=parse_cobalt_config(cobalt or {}))
 
-    class Expert(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1 = torch.nn.Linear(D, HIDDEN)
-            self.fc2 = torch.nn.Linear(HIDDEN, D)
-
-        def forward(self, x):
-            return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+    Expert = functools.partial(expert_mlp, D, HIDDEN)
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:

@@ -101,6 +101,7 @@ CASES = {
                                    overlap={"enabled": True, "tile_rows": 3, "rail_chunks": 1}),
     "overlap_more_rail_chunks_than_tokens": dict(E=8, k=2, drop=False, tokens=[12, 3, 20, 0],
                                                  overlap={"enabled": True, "tile_rows": 5, "rail_chunks": 5}),
+    "auto_first_forward": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], transport={"schedule": "auto"}),
     "direct_k2_dropless_uneven": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], transport=DIRECT),
     "direct_k2_empty_rank": dict(E=8, k=2, drop=False, tokens=[12, 0, 20, 5], transport=DIRECT),
     "direct_k2_capacity": dict(E=8, k=2, drop=True, tokens=[24, 24, 24, 24], cf=0.75, transport=DIRECT),
@@ -193,8 +194,9 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
 def test_schedule_in_use(parity_results) -> None:
     assert all(r["schedule"] == "direct" for name in CASES if name.startswith("direct")
                for r in parity_results[name])
-    # `auto` is still timing after one forward; the first trial runs the hierarchical schedule
-    assert all(r["schedule"] is None for r in parity_results["k2_dropless_uneven"])
+    assert all(r["schedule"] == "hierarchical" for r in parity_results["k2_dropless_uneven"])  # the default
+    # `auto` is still timing after one forward (its first trial runs the hierarchical schedule)
+    assert all(r["schedule"] is None for r in parity_results["auto_first_forward"])
 
 
 @pytest.mark.parametrize("name", ["direct_k2_dropless_uneven", "direct_k2_capacity", "direct_k2_empty_rank"])

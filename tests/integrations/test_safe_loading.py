@@ -277,22 +277,15 @@ E, D, HIDDEN = 4, 8, 16
 def _build_engine(stage: int):
     import torch.distributed as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from test_migration import expert_mlp
 
     import ds_cobalt
-
-    class Expert(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(D, HIDDEN), torch.nn.Linear(HIDDEN, D)
-
-        def forward(self, x):
-            return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.inp = torch.nn.Linear(D, D)
-            self.moe = ds_cobalt.MoE(D, Expert(), num_experts=E, ep_size=2, k=2, drop_tokens=False,
+            self.moe = ds_cobalt.MoE(D, expert_mlp(D, HIDDEN), num_experts=E, ep_size=2, k=2, drop_tokens=False,
                                      top2_2nd_expert_sampling=False)
 
         def forward(self, x, y):

@@ -219,3 +219,23 @@ def test_overlap_config_validates_rail_chunks() -> None:
     for bad in (0, 65, "many"):
         with pytest.raises(ValueError, match=r"cobalt\.overlap\.rail_chunks"):
             parse_cobalt_config({"overlap": {"rail_chunks": bad}})
+
+
+def test_step_timed_choice_alternates_then_keeps_the_lower_median(monkeypatch) -> None:
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = tile_tuner.StepTimedChoice(["hierarchical", "direct"], repeats=3, warmup=1)
+    cost = {"hierarchical": 2.0, "direct": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    seen = []
+    for _ in range(10):
+        pick = chooser.pick(torch.device("cpu"), groups)
+        seen.append(pick)
+        now["t"] += cost[pick] + (5.0 if len(seen) == 4 else 0.0)  # one slow outlier step of "hierarchical"
+    assert seen[:7] == ["hierarchical", "hierarchical", "direct", "hierarchical", "direct", "hierarchical", "direct"]
+    assert chooser.chosen == "direct" and seen[7:] == ["direct"] * 3
+    assert chooser.medians == {"hierarchical": 2.0, "direct": 1.0}  # the median ignores the outlier
+    assert tile_tuner.StepTimedChoice(["hierarchical"]).chosen == "hierarchical"  # one candidate: no trials
