@@ -399,4 +399,5 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     node_recv = [sum(row) for _, recv_GS in counts for row in recv_GS]
     node = (tuple(sum(node_send[g::G]) for g in range(G)), tuple(sum(node_recv[g::G]) for g in range(G)))
     zero = ((0,) * G, (0,) * G)
-    return out_TD, ExchangeCounts.total([plan_counts(plan, *(node if i == 0 else zero)) for i, plan in enumerate(plans)])
+    parts = [plan_counts(plan, *(node if i == 0 else zero)) for i, plan in enumerate(plans)]
+    return out_TD, ExchangeCounts.total(parts)
