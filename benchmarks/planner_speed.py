@@ -37,7 +37,7 @@ def main() -> None:
     st = RoutingStats.from_topk(tr.experts_LTK[0], 256)
     t_stats = time.perf_counter() - t0
     for part in ("greedy", "kahypar", "auto"):
-        t = _time(lambda: plan_nodes(st.load_E, st.coact_EE, st.sets_MK, st.count_M, 64, partitioner=part), 1)
+        t = _time(lambda part=part: plan_nodes(st.load_E, st.coact_EE, st.sets_MK, st.count_M, 64, partitioner=part), 1)
         print(f"stage 1 ({part:7s}) E=256 k=8 N=64, 64k tokens: {t * 1e3:8.1f} ms  (stats {t_stats * 1e3:.0f} ms)")
 
     # Stage 2 + assignment: one node of 8 GPUs, 16k tokens per GPU -> 128k tokens, 8 nodes total.

@@ -17,9 +17,9 @@ import numpy as np
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
 from .layout import Layout, canonical_owner_order
-from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, traffic_replicas
+from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
 from .stage2 import node_loads, pack_node, plan_gpus, replicate_hot
 from .stats import RoutingStats, topk_sets
 from .trace import Trace

@@ -16,7 +16,8 @@ from scipy.optimize import linear_sum_assignment
 from .objective import PartitionState, connectivity
 
 __all__ = [
-    "plan_nodes", "relabel_to_current", "refine_swaps", "greedy_coact_partition", "kahypar_partition", "metis_partition",
+    "plan_nodes", "relabel_to_current", "refine_swaps", "greedy_coact_partition", "kahypar_partition",
+    "metis_partition",
 ]
 
 
@@ -190,7 +191,8 @@ def _repair_step(state: PartitionState, load_E: np.ndarray, load_N: np.ndarray, 
 
     Candidate swaps: a hot expert of the fullest node A with a colder one of a light node B that keeps B
     under the bound. All are scored exactly with `swap_delta`, or, with `exact_checks`, only the best
-    `exact_checks` after ranking by the two single-move gains (for states whose swap_delta is costly). `gains`: a one-item cache of the move gains
+    `exact_checks` after ranking by the two single-move gains (for states whose swap_delta is costly).
+    `gains`: a one-item cache of the move gains
     ([] = compute and store); they only rank candidates, so a slightly stale matrix is fine.
     """
     node = state.node_of_E
