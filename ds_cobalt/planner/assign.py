@@ -63,17 +63,23 @@ def _check_inputs(
         raise ValueError(f"assign_tasks: gpus_per_node={gpus_per_node} does not divide the {W} ranks")
     if src.size and (int(src.min()) < 0 or int(src.max()) >= W):
         raise ValueError(f"assign_tasks: source_rank_T holds ranks outside [0, {W})")
-    if topk.size and int(topk.min()) < -1:
-        raise ValueError("assign_tasks: topk_ids_TK holds ids below -1")
+    # The ids themselves (>= -1, each held by some slot) are checked in the first assignment pass, which
+    # then raises through `_id_error`; E here counts the experts the layout holds.
+    E = int(slots.max(initial=-1)) + 1
+    return topk, src.astype(np.int64, copy=False), slots.astype(np.int64, copy=False), E
+
+
+def _id_error(topk: np.ndarray, slots: np.ndarray) -> ValueError:
+    """The error for ids below -1 or held by no slot (checked in that order)."""
+    if int(topk.min()) < -1:
+        return ValueError("assign_tasks: topk_ids_TK holds ids below -1")
     E = int(max(slots.max(initial=-1), topk.max(initial=-1))) + 1
     held = np.zeros(E + 1, dtype=bool)  # index E stands for -1 (always "held")
     held[slots[slots >= 0]] = True
     held[E] = True
-    if not held[topk].all():
-        wanted = topk[topk >= 0]
-        missing = np.unique(wanted[~held[wanted]])
-        raise ValueError(f"assign_tasks: expert(s) {missing[:8].tolist()} are chosen but held by no slot")
-    return topk.astype(np.int64, copy=False), src.astype(np.int64, copy=False), slots.astype(np.int64, copy=False), E
+    wanted = topk[topk >= 0]
+    missing = np.unique(wanted[~held[wanted]])
+    return ValueError(f"assign_tasks: expert(s) {missing[:8].tolist()} are chosen but held by no slot")
 
 
 def _tie_break(num_rows: int, N: int, row_ids: np.ndarray) -> np.ndarray:
@@ -133,38 +139,49 @@ def assign_tasks(
 
     # Steps 1-2 in one lookup: `direct_NE[s, e]` is the node serving e for a token on node s when that
     # choice does not depend on the rest of the token's set (own node holds e, or a single node does);
-    # -1 = several remote holders (decided per token below); column E stands for dropped ids (-> -2).
+    # -1 = several remote holders (decided per token below), -3 = no holder (an error); column E stands for
+    # dropped ids (-> -2). One compiled pass over the pairs (`_assign_kernels.direct_nodes`).
+    from . import _assign_kernels as _kernels
+
     holder_count_E = holds_NE.sum(axis=0)
     only_node_E = np.argmax(holds_NE, axis=0)
-    direct_NE = np.where(holds_NE, np.arange(N)[:, None], np.where(holder_count_E == 1, only_node_E, -1)[None, :])
+    single_E = np.where(holder_count_E == 1, only_node_E, np.where(holder_count_E == 0, -3, -1))
+    direct_NE = np.where(holds_NE, np.arange(N)[:, None], single_E[None, :])
     direct_NE = np.concatenate([direct_NE, np.full((N, 1), -2, dtype=np.int64)], axis=1)  # column E: id -1
-    valid_TK = topk >= 0
     src_node_T = src_T // G
-    flat_TK = (src_node_T * (E + 1))[:, None] + np.where(valid_TK, topk, E)
-    node_TK = np.take(direct_NE.reshape(-1), flat_TK)
-    pending_TK = node_TK == -1
-    if pending_TK.any():
-        rows = np.nonzero(pending_TK.any(axis=1))[0]
-        _cover_replicated(rows, topk, node_TK, pending_TK, holds_NE, src_node_T, N, exact)
-    node_TK = np.maximum(node_TK, -1)
+    topk = np.ascontiguousarray(topk)
+    pending_T, count_F, bad = _kernels.direct_counts(topk, src_node_T, direct_NE)
+    if bad:
+        raise _id_error(topk, slots)
+    rows = np.flatnonzero(pending_T)
+    node_PK = _kernels.pending_nodes(rows, topk, src_node_T, direct_NE)  # [P, K], the rows decided per token
+    if rows.size:
+        # Steps 3-4 compiled (`_assign_kernels.cover_rows`, spec: `_cover_replicated`); step 4b (rare) here.
+        new_nodes_P, before_PK = _kernels.cover_rows(rows, topk, node_PK, holds_NE, src_node_T)
+        if exact:
+            for p in np.flatnonzero(new_nodes_P >= 3):
+                _exact_row(int(rows[p]), before_PK[p], int(new_nodes_P[p]), topk, node_PK[p], holds_NE, N)
+        _kernels.count_pending(rows, topk, node_PK, src_node_T, direct_NE, count_F)
 
     # Step 5: inside each node, pick the GPU; split replicated experts to even out GPU load.
-    return _choose_ranks(topk, node_TK, slot_of_WE, replicas_NE, G)
+    return _choose_ranks(topk, src_node_T, direct_NE, pending_T, node_PK, count_F, slot_of_WE, replicas_NE, G)
 
 
 def _cover_replicated(
     rows: np.ndarray,
     topk: np.ndarray,
     node_TK: np.ndarray,
-    pending_TK: np.ndarray,
+    pending_PK: np.ndarray,
     holds_NE: np.ndarray,
     src_node_T: np.ndarray,
     N: int,
     exact: bool,
 ) -> None:
-    """Steps 3-4 for the tokens `rows` that still have experts held by several (remote) nodes."""
-    sub_e = np.where(pending_TK[rows], topk[rows], 0)  # [P, K]
-    pend = pending_TK[rows].copy()
+    """Steps 3-4 for the tokens `rows` that still have experts held by several (remote) nodes
+    (`pending_PK`: those pairs of the rows). The numpy specification of `_assign_kernels.cover_rows` (which
+    `assign_tasks` runs); kept for the tests."""
+    sub_e = np.where(pending_PK, topk[rows], 0)  # [P, K]
+    pend = pending_PK.copy()
     sub_node = node_TK[rows].copy()
     # Nodes each token already visits (remote ones; its own node never holds a pending expert).
     visited_PN = np.zeros((rows.size, N), dtype=bool)
@@ -201,58 +218,44 @@ def _cover_replicated(
     # Step 4b: greedy is optimal up to 2 new nodes; search exactly beyond that.
     if exact:
         for p in np.nonzero(new_nodes >= 3)[0]:
-            ks = np.nonzero(before_greedy[p])[0]
-            masks = [sum(1 << i for i, k in enumerate(ks) if holds_NE[n, topk[rows[p], k]]) for n in range(N)]
-            found = _exact_cover(masks, (1 << ks.size) - 1, int(new_nodes[p]))
-            if found is None:
-                continue
-            for i, k in enumerate(ks):
-                sub_node[p, k] = next(n for n in found if masks[n] >> i & 1)
+            _exact_row(int(rows[p]), before_greedy[p], int(new_nodes[p]), topk, sub_node[p], holds_NE, N)
     node_TK[rows] = sub_node
 
 
+def _exact_row(t: int, pending_K: np.ndarray, greedy_nodes: int, topk: np.ndarray, node_K: np.ndarray,
+               holds_NE: np.ndarray, N: int) -> None:
+    """Step 4b for token t (`node_K`: its row of nodes, in place): replace the greedy cover of the
+    `pending_K` pairs by a smaller one, if any."""
+    ks = np.nonzero(pending_K)[0]
+    masks = [sum(1 << i for i, k in enumerate(ks) if holds_NE[n, topk[t, k]]) for n in range(N)]
+    found = _exact_cover(masks, (1 << ks.size) - 1, greedy_nodes)
+    if found is None:
+        return
+    for i, k in enumerate(ks):
+        node_K[k] = next(n for n in found if masks[n] >> i & 1)
+
+
 def _choose_ranks(
-    topk: np.ndarray, node_TK: np.ndarray, slot_of_WE: np.ndarray, replicas_NE: np.ndarray, G: int
+    topk: np.ndarray, src_node_T: np.ndarray, direct_NE: np.ndarray, pending_T: np.ndarray, node_PK: np.ndarray,
+    count_F: np.ndarray, slot_of_WE: np.ndarray, replicas_NE: np.ndarray, G: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Step 5: `(dest_rank_TK, dest_slot_TK)`; replicated (node, expert) groups water-filled over their GPUs.
 
-    Everything per pair is a table lookup on the flat (node, expert) id; only the replicated groups
-    (at most N * G * R of them) are looped over, largest first (LPT), each water-filled over its replicas'
-    ranks given the load placed so far; inside a group, tokens go to ranks in token order.
+    Single-copy pairs take the rank holding their expert on their node; the replicated groups (at most
+    N * G * R of them) are taken largest first (LPT; ties: lower node * E + expert), each water-filled
+    (`_water_fill`) over its replicas' ranks given the load placed so far; inside a group, pairs take the
+    ranks in token order. One compiled output pass (`_assign_kernels.choose_ranks`), the node of each pair
+    read from the `direct_NE` table or, for the pending rows, from `node_PK`; `count_F`: pairs per
+    (node, expert), node * E + expert.
     """
+    from . import _assign_kernels as _kernels
+
     W, E = slot_of_WE.shape
     N = W // G
     held_NGE = (slot_of_WE >= 0).reshape(N, G, E)
     rank_NE = np.arange(N)[:, None] * G + np.argmax(held_NGE, axis=1)  # first copy in the node
-    multi_NE = replicas_NE > 1
-    # Flat (node, expert) id per pair; N * E = dropped.
-    flat_TK = np.where(node_TK >= 0, node_TK * E + topk, N * E)
-    rank_TK = np.take(np.append(rank_NE.reshape(-1), -1), flat_TK)
-    if multi_NE.any():
-        count_F = np.bincount(flat_TK.reshape(-1), minlength=N * E + 1)[: N * E]
-        single_F = ~multi_NE.reshape(-1)
-        load_W = np.bincount(rank_NE.reshape(-1)[single_F], weights=count_F[single_F], minlength=W).astype(np.int64)
-        groups = np.flatnonzero(~single_F & (count_F > 0))
-        ranks_of: dict[int, np.ndarray] = {}
-        share_of: dict[int, np.ndarray] = {}
-        for f in groups[np.argsort(-count_F[groups], kind="stable")]:
-            n, e = divmod(int(f), E)
-            ranks = n * G + np.flatnonzero(held_NGE[n, :, e])
-            share = _water_fill(load_W[ranks], int(count_F[f]))
-            load_W[ranks] += share
-            ranks_of[int(f)], share_of[int(f)] = ranks, share
-        if groups.size:
-            # Compact group index per pair (0 = not replicated), small ints so the stable sort is a radix sort.
-            gid_F = np.zeros(N * E + 1, dtype=np.uint8 if groups.size < 255 else np.int32)
-            gid_F[groups] = np.arange(1, groups.size + 1)
-            gid_X = np.take(gid_F, flat_TK.reshape(-1))
-            members = np.flatnonzero(gid_X)
-            members = members[np.argsort(gid_X[members], kind="stable")]  # by group, token order
-            all_ranks = np.concatenate([ranks_of[int(f)] for f in groups])
-            all_share = np.concatenate([share_of[int(f)] for f in groups])
-            rank_TK.reshape(-1)[members] = np.repeat(all_ranks, all_share)
-    slot_TK = np.take(np.append(slot_of_WE.reshape(-1), -1), np.where(rank_TK >= 0, rank_TK * E + topk, W * E))
-    return rank_TK, slot_TK
+    return _kernels.choose_ranks(topk, src_node_T, direct_NE, pending_T, node_PK, count_F, slot_of_WE, rank_NE,
+                                 np.ascontiguousarray(replicas_NE), G)
 
 
 def _water_fill(load_R: np.ndarray, amount: int) -> np.ndarray:
@@ -275,12 +278,10 @@ def _water_fill(load_R: np.ndarray, amount: int) -> np.ndarray:
 
 def remote_nodes_per_token(dest_rank_TK: np.ndarray, source_rank_T: np.ndarray, gpus_per_node: int) -> np.ndarray:
     """`[T]` int64 number of distinct remote nodes each token is dispatched to."""
-    T, K = dest_rank_TK.shape
-    if T == 0:
+    from . import _assign_kernels as _kernels
+
+    dest = np.asarray(dest_rank_TK)
+    if dest.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    node_TK = np.where(dest_rank_TK >= 0, dest_rank_TK // gpus_per_node, -1)
-    remote = (node_TK >= 0) & (node_TK != (source_rank_T // gpus_per_node)[:, None])
-    node_TK = np.sort(np.where(remote, node_TK, -1), axis=1)
-    first = np.ones((T, K), dtype=bool)
-    first[:, 1:] = node_TK[:, 1:] != node_TK[:, :-1]
-    return ((node_TK >= 0) & first).sum(axis=1)
+    return _kernels.remote_nodes(np.ascontiguousarray(dest), np.asarray(source_rank_T, dtype=np.int64),
+                                 int(gpus_per_node))

@@ -12,9 +12,8 @@ co-activation cut is exact only for k = 2.
 from __future__ import annotations
 
 import numpy as np
-from scipy import sparse
 
-__all__ = ["connectivity", "expected_remote_nodes", "PartitionState"]
+__all__ = ["connectivity", "expected_remote_nodes", "PartitionState", "set_csr", "count_dtype"]
 
 
 def connectivity(sets_MK: np.ndarray, count_M: np.ndarray, node_of_E: np.ndarray) -> float:
@@ -38,24 +37,55 @@ def expected_remote_nodes(sets_MK: np.ndarray, count_M: np.ndarray, node_of_E: n
     return lam * (1.0 - 1.0 / nodes) / total
 
 
+def count_dtype(K: int) -> type:
+    """Counter dtype for experts of one set per node: int8 when a set has < 128 entries (smaller arrays for
+    the compiled loops that stream them), else int32."""
+    return np.int8 if K < 128 else np.int32
+
+
+def set_csr(sets_MK: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(ptr_E, set_P)` int64: CSR of the sets each expert belongs to (ascending set index, repeats kept)."""
+    from . import _stage1_kernels as _kernels
+
+    return _kernels.set_csr(np.ascontiguousarray(sets_MK, dtype=np.int64), int(num_experts))
+
+
 class PartitionState:
-    """Incremental connectivity of a partition: per-set node counts `cnt_MN` and exact move/swap deltas."""
+    """Incremental connectivity of a partition: per-set node counts `cnt_MN` and exact move/swap deltas.
+
+    The loops run compiled (`_stage1_kernels.part_*`); `ptr_E`/`set_P` is the CSR of each expert's sets.
+    """
 
     def __init__(self, sets_MK: np.ndarray, count_M: np.ndarray, node_of_E: np.ndarray, nodes: int) -> None:
         self.E = int(node_of_E.size)
         self.N = int(nodes)
-        m_P, k_P = np.nonzero(sets_MK >= 0)
-        self.m_P = m_P
-        self.e_P = sets_MK[m_P, k_P].astype(np.int64)
-        self.w_M = np.asarray(count_M, dtype=np.float64)
-        M = sets_MK.shape[0]
-        # H_EM: incidence, expert x set (CSR rows = the sets each expert is in).
-        self.H_EM = sparse.csr_matrix((np.ones(self.e_P.size), (self.e_P, m_P)), shape=(self.E, M))
-        self.sets_of_E = [self.H_EM.indices[self.H_EM.indptr[e] : self.H_EM.indptr[e + 1]] for e in range(self.E)]
-        self.node_of_E = np.asarray(node_of_E, dtype=np.int64).copy()
-        self._mark = np.zeros(M, dtype=np.int8)
-        self.cnt_MN = np.zeros((M, self.N), dtype=np.int32)
-        np.add.at(self.cnt_MN, (m_P, self.node_of_E[self.e_P]), 1)
+        self.M = int(sets_MK.shape[0])
+        self.w_M = np.ascontiguousarray(count_M, dtype=np.float64)
+        self.sets_MK = np.ascontiguousarray(sets_MK, dtype=np.int64)
+        self.sets_K = int(sets_MK.shape[1]) if sets_MK.ndim == 2 else 0
+        self.ptr_E, self.set_P = set_csr(self.sets_MK, self.E)
+        self._reset(node_of_E)
+
+    def _reset(self, node_of_E: np.ndarray) -> None:
+        from . import _stage1_kernels as _kernels
+
+        self.node_of_E = np.array(node_of_E, dtype=np.int64)
+        self._mark = np.zeros(self.M, dtype=np.int8)
+        cnt_MN = np.zeros((self.M, self.N), dtype=count_dtype(self.sets_K))
+        self.cnt_MN = _kernels.part_counts(self.ptr_E, self.set_P, self.node_of_E, cnt_MN)
+
+    def with_nodes(self, node_of_E: np.ndarray) -> "PartitionState":
+        """A new state on the same sets (shares the read-only set structure) for another partition."""
+        other = object.__new__(PartitionState)
+        other.E, other.N, other.M, other.w_M, other.sets_MK, other.sets_K, other.ptr_E, other.set_P = (
+            self.E, self.N, self.M, self.w_M, self.sets_MK, self.sets_K, self.ptr_E, self.set_P)
+        other._reset(node_of_E)
+        return other
+
+    @property
+    def sets_of_E(self) -> list[np.ndarray]:
+        """Per expert, the (ascending) indices of the sets it is in."""
+        return [self.set_P[self.ptr_E[e] : self.ptr_E[e + 1]] for e in range(self.E)]
 
     def value(self) -> float:
         """Connectivity sum count * (lambda - 1)."""
@@ -64,37 +94,38 @@ class PartitionState:
 
     def move_gains(self) -> np.ndarray:
         """`[E, N]` decrease of connectivity when moving expert e alone to node n (-inf at its own node)."""
-        alone_P = self.cnt_MN[self.m_P, self.node_of_E[self.e_P]] == 1
-        leave_E = np.bincount(self.e_P, weights=self.w_M[self.m_P] * alone_P, minlength=self.E)
-        absent_MN = (self.cnt_MN == 0) * self.w_M[:, None]
-        enter_EN = np.asarray(self.H_EM @ absent_MN)
-        gain = leave_E[:, None] - enter_EN
-        gain[np.arange(self.E), self.node_of_E] = -np.inf
-        return gain
+        from . import _stage1_kernels as _kernels
+
+        return _kernels.part_move_gains(self.sets_MK, self.cnt_MN, self.w_M, self.node_of_E)
 
     def swap_delta(self, a: int, b: int) -> float:
-        """Decrease of connectivity when experts a and b exchange nodes (exact)."""
-        A, B = self.node_of_E[a], self.node_of_E[b]
-        if A == B:
-            return 0.0
-        sa, sb = self.sets_of_E[a], self.sets_of_E[b]
-        # Sets holding both experts keep their node counts; only sets with exactly one of them change.
-        mark = self._mark
-        mark[sa] += 1
-        mark[sb] += 2
-        a_only, b_only = sa[mark[sa] == 1], sb[mark[sb] == 2]
-        mark[sa] = 0
-        mark[sb] = 0
-        cnt_A, cnt_B, w = self.cnt_MN[:, A], self.cnt_MN[:, B], self.w_M
-        gain = (w[a_only] * ((cnt_A[a_only] == 1).astype(np.int8) - (cnt_B[a_only] == 0))).sum()
-        gain += (w[b_only] * ((cnt_B[b_only] == 1).astype(np.int8) - (cnt_A[b_only] == 0))).sum()
-        return float(gain)
+        """Decrease of connectivity when experts a and b exchange nodes (exact).
+
+        Sets holding both experts keep their node counts; only sets with exactly one of them change.
+        """
+        from . import _stage1_kernels as _kernels
+
+        return float(_kernels.part_swap_delta(self.ptr_E, self.set_P, self.cnt_MN, self.w_M, self.node_of_E,
+                                              self._mark, int(a), int(b)))
+
+    def swap_deltas(self, a_C: np.ndarray, b_C: np.ndarray) -> np.ndarray:
+        """`[C]` float64 `swap_delta` of each pair (pairs sharing a and b's node in a row share work)."""
+        from . import _stage1_kernels as _kernels
+
+        return _kernels.part_swap_deltas(self.ptr_E, self.set_P, self.cnt_MN, self.w_M, self.node_of_E,
+                                         self._mark, np.asarray(a_C, np.int64), np.asarray(b_C, np.int64))
+
+    def try_swaps(self, a_C: np.ndarray, b_C: np.ndarray, load_E: np.ndarray, load_N: np.ndarray,
+                  bound: float) -> bool:
+        """Apply, in order, each pair with no expert touched before, node loads within `bound` after and
+        `swap_delta > 1e-9`; `load_N` is updated in place. True if any was applied."""
+        from . import _stage1_kernels as _kernels
+
+        return bool(_kernels.part_try_swaps(self.ptr_E, self.set_P, self.cnt_MN, self.w_M, self.node_of_E,
+                                            self._mark, np.asarray(a_C, np.int64), np.asarray(b_C, np.int64),
+                                            load_E, load_N, float(bound)))
 
     def apply_swap(self, a: int, b: int) -> None:
-        A, B = self.node_of_E[a], self.node_of_E[b]
-        sa, sb = self.sets_of_E[a], self.sets_of_E[b]
-        self.cnt_MN[sa, A] -= 1
-        self.cnt_MN[sa, B] += 1
-        self.cnt_MN[sb, B] -= 1
-        self.cnt_MN[sb, A] += 1
-        self.node_of_E[a], self.node_of_E[b] = B, A
+        from . import _stage1_kernels as _kernels
+
+        _kernels.part_apply_swap(self.ptr_E, self.set_P, self.cnt_MN, self.node_of_E, int(a), int(b))

@@ -18,7 +18,7 @@ from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
 from .layout import Layout, canonical_owner_order
 from .objective import PartitionState
-from .replicas import ReplicaPartitionState, traffic_replicas
+from .replicas import ReplicaPartitionState, _traffic_order_sets
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
 from .stage2 import node_loads, pack_node, plan_gpus, replicate_hot
 from .stats import RoutingStats, topk_sets
@@ -173,6 +173,7 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     everywhere_max = min(spare, E)
     options = sorted({0, everywhere_max // 2, everywhere_max})
     src_node_T = inp.source_rank_T // G
+    sample_sets_TK = topk_sets(np.asarray(inp.topk_ids_TK, dtype=np.int64))  # reused by every traffic pick
     results: list[tuple[float, float, np.ndarray]] = []
     for x in options:
         # Step 1: the x hottest experts get a copy on every node.
@@ -189,17 +190,21 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
         left = spare - x
         # Step 3: per-node traffic copies, greedily (the largest y is computed once, prefixes reused).
         ys = sorted({0, left // 2, left}) if inp.topk_ids_TK.shape[0] else [0]
-        order_NE = _traffic_order(inp.topk_ids_TK, src_node_T, node_of_E, holds_NE, max(ys))
+        order_NE = _traffic_order_sets(sample_sets_TK, src_node_T, node_of_E, holds_NE, max(ys))
         for y in ys:
             owners, extra_NE = node_of_E, everywhere_NE | (order_NE < y)
             for joint in range(JOINT_ROUNDS + 1 if (x or y) and N <= JOINT_MAX_NODES else 1):
                 if joint:
                     # Step 4 (joint): re-partition owners with these copies counted as local, then re-pick
-                    # the traffic copies for the new owners.
-                    owners = refine_owners(st.sets_MK, st.count_M, load_E, owners, extra_NE)
+                    # the traffic copies for the new owners. Unchanged owners would give the same copies,
+                    # slots and score as the candidate just scored (and so every later round): stop.
+                    new_owners = refine_owners(st.sets_MK, st.count_M, load_E, owners, extra_NE)
+                    if np.array_equal(new_owners, owners):
+                        break
+                    owners = new_owners
                     holds = everywhere_NE.copy()
                     holds[owners, np.arange(E)] = True
-                    extra_NE = everywhere_NE | traffic_replicas(inp.topk_ids_TK, src_node_T, owners, holds, y)
+                    extra_NE = everywhere_NE | (_traffic_order_sets(sample_sets_TK, src_node_T, owners, holds, y) < y)
                 # Step 5: stage 2, spare slots left over go to the node's hottest experts; pack GPUs.
                 slots = plan_gpus(owners, extra_NE, _node_load_NE(inp, owners, extra_NE), G, R)
                 traffic, balance = _evaluate(inp, slots)
@@ -240,24 +245,6 @@ def refine_owners(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, 
     bound = (1 + load_tolerance) * load_E.sum() / N
     refine_swaps(state, owner_load_E, bound, candidates=64, base_load_N=base_load_N, repair_checks=16)
     return state.node_of_E
-
-
-def _traffic_order(topk_TK: np.ndarray, src_node_T: np.ndarray, node_of_E: np.ndarray, holds_NE: np.ndarray,
-                   count: int) -> np.ndarray:
-    """`[N, E]` int: pick order of `traffic_replicas` copies per node (large = not picked)."""
-    N, E = holds_NE.shape
-    order_NE = np.full((N, E), np.iinfo(np.int64).max, dtype=np.int64)
-    if count <= 0:
-        return order_NE
-    # traffic_replicas is greedy per node: picking one at a time recovers the order.
-    held = holds_NE.copy()
-    for i in range(count):
-        pick_NE = traffic_replicas(topk_TK, src_node_T, node_of_E, held, 1)
-        order_NE[pick_NE] = i
-        held |= pick_NE
-        if not pick_NE.any():
-            break
-    return order_NE
 
 
 def plan_layer(policy: str, inp: LayerInput) -> np.ndarray:

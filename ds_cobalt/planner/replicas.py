@@ -18,7 +18,7 @@ import numpy as np
 
 from .stats import topk_sets
 
-__all__ = ["alone_gains", "traffic_replicas", "ReplicaPartitionState"]
+__all__ = ["alone_gains", "traffic_replicas", "traffic_order", "ReplicaPartitionState"]
 
 OWN_TOKEN_BOOST = 1.0
 
@@ -66,25 +66,44 @@ def traffic_replicas(
 
     Only copies with a positive saving are added; the result never includes an expert a node holds.
     """
+    return traffic_order(topk_ids_TK, source_node_T, node_of_E, holds_NE, copies_per_node) < copies_per_node
+
+
+def traffic_order(
+    topk_ids_TK: np.ndarray,
+    source_node_T: np.ndarray,
+    node_of_E: np.ndarray,
+    holds_NE: np.ndarray,
+    count: int,
+) -> np.ndarray:
+    """`[N, E]` int64: the order in which `traffic_replicas` picks each node's copies (int64 max = not picked
+    within `count`); `traffic_replicas(..., y)` is `traffic_order(..., count) < y` for every y <= count.
+
+    Per node n, each step adds the first expert with the largest `alone_gains` (tokens weighted
+    `1 + (N - 1) [token lives on n]`) given what n holds so far, while that gain is positive. Compiled
+    (`_replica_kernels.greedy_copies`); the gains are updated exactly after each pick for the tokens containing it.
+    """
     N, E = holds_NE.shape
-    extra_NE = np.zeros((N, E), dtype=bool)
     T = topk_ids_TK.shape[0]
-    if T == 0 or N == 1 or copies_per_node <= 0:
-        return extra_NE
-    topk = topk_sets(np.asarray(topk_ids_TK, dtype=np.int64))
+    if T == 0 or N == 1 or count <= 0:
+        return np.full((N, E), np.iinfo(np.int64).max, dtype=np.int64)
+    return _traffic_order_sets(topk_sets(np.asarray(topk_ids_TK, dtype=np.int64)), source_node_T, node_of_E,
+                               holds_NE, count)
+
+
+def _traffic_order_sets(sets_TK: np.ndarray, source_node_T: np.ndarray, node_of_E: np.ndarray,
+                        holds_NE: np.ndarray, count: int) -> np.ndarray:
+    """`traffic_order` on the tokens' `topk_sets` rows (computed once by callers that repeat it)."""
+    from . import _replica_kernels as _kernels
+
+    N, E = holds_NE.shape
+    if sets_TK.shape[0] == 0 or N == 1 or count <= 0:
+        return np.full((N, E), np.iinfo(np.int64).max, dtype=np.int64)
+    topk = np.ascontiguousarray(sets_TK, dtype=np.int64)
     src = np.asarray(source_node_T, dtype=np.int64)
-    for n in range(N):
-        weight_T = 1.0 + OWN_TOKEN_BOOST * (N - 1) * (src == n)
-        held_E = holds_NE[n].copy()
-        for _ in range(copies_per_node):
-            gain_E = _alone_gains_sets(topk, weight_T, node_of_E, held_E, E)
-            gain_E[held_E] = 0.0
-            e = int(np.argmax(gain_E))
-            if gain_E[e] <= 0:
-                break
-            held_E[e] = True
-            extra_NE[n, e] = True
-    return extra_NE
+    own_weight = float(1.0 + OWN_TOKEN_BOOST * (N - 1))
+    return _kernels.greedy_copies(topk, src, np.asarray(node_of_E, dtype=np.int64),
+                                  np.ascontiguousarray(holds_NE, dtype=bool), int(count), own_weight)
 
 
 class ReplicaPartitionState:
@@ -92,82 +111,64 @@ class ReplicaPartitionState:
 
     View s (a token living on node s, each view weighted 1/N) ignores experts copied on s (they are local)
     and counts the nodes other than s touched by the rest of the set. Same interface as
-    `objective.PartitionState` (`value`, `move_gains`, `swap_delta`, `apply_swap`), so `refine_swaps`
-    works on it. `cnt_SMN[s, m, n]`: experts of set m owned by n that view s counts. Memory is
-    N * M * N int32, so callers use it for small N only.
+    `objective.PartitionState` (`value`, `move_gains`, `swap_delta`, `apply_swap`, plus the batch
+    `swap_deltas`/`try_swaps`), so `refine_swaps` works on it. `cnt_MSN[m, s, n]`: experts of set m owned by
+    n that view s counts. Memory is M * N * N int8, so callers use it for small N only. Loops compiled
+    (`_replica_kernels.rep_*`).
     """
 
     def __init__(self, sets_MK: np.ndarray, count_M: np.ndarray, node_of_E: np.ndarray, copies_NE: np.ndarray):
-        from scipy import sparse
+        from . import _replica_kernels as _kernels
+        from .objective import count_dtype, set_csr
 
         self.N, self.E = copies_NE.shape
-        self.node_of_E = np.asarray(node_of_E, dtype=np.int64).copy()
-        self.active_SE = ~copies_NE
-        m_P, k_P = np.nonzero(sets_MK >= 0)
-        self.m_P, self.e_P = m_P, sets_MK[m_P, k_P].astype(np.int64)
-        self.w_M = np.asarray(count_M, dtype=np.float64)
-        M = sets_MK.shape[0]
-        self.H_EM = sparse.csr_matrix((np.ones(self.e_P.size), (self.e_P, m_P)), shape=(self.E, M))
-        self.sets_of_E = [self.H_EM.indices[self.H_EM.indptr[e] : self.H_EM.indptr[e + 1]] for e in range(self.E)]
-        self.cnt_SMN = np.zeros((self.N, M, self.N), dtype=np.int32)
-        for s in range(self.N):
-            keep = self.active_SE[s, self.e_P]
-            np.add.at(self.cnt_SMN[s], (m_P[keep], self.node_of_E[self.e_P[keep]]), 1)
-        self._mark = np.zeros(M, dtype=np.int8)
+        self.node_of_E = np.array(node_of_E, dtype=np.int64)
+        self.active_SE = np.ascontiguousarray(~np.asarray(copies_NE, dtype=bool))
+        self.w_M = np.ascontiguousarray(count_M, dtype=np.float64)
+        self.M = int(sets_MK.shape[0])
+        self.sets_MK = np.ascontiguousarray(sets_MK, dtype=np.int64)
+        self.ptr_E, self.set_P = set_csr(self.sets_MK, self.E)
+        cnt = np.zeros((self.M, self.N, self.N), dtype=count_dtype(self.sets_MK.shape[1]))
+        self.cnt_MSN = _kernels.rep_counts(self.sets_MK, self.node_of_E, self.active_SE, cnt)
+        self._mark = np.zeros(self.M, dtype=np.int8)
 
     def value(self) -> float:
         """Sum over views and sets of count * (nodes other than s touched) / N."""
-        total = 0.0
-        for s in range(self.N):
-            touched_M = (self.cnt_SMN[s] > 0).sum(axis=1) - (self.cnt_SMN[s, :, s] > 0)
-            total += float((self.w_M * touched_M).sum())
-        return total / self.N
+        from . import _replica_kernels as _kernels
+
+        return float(_kernels.rep_value(self.cnt_MSN, self.w_M))
 
     def move_gains(self) -> np.ndarray:
         """`[E, N]` decrease of `value` when moving expert e alone to node n (-inf at its own node)."""
-        gain = np.zeros((self.E, self.N))
-        for s in range(self.N):
-            cnt = self.cnt_SMN[s]
-            act_P = self.active_SE[s, self.e_P]
-            own_P = self.node_of_E[self.e_P]
-            alone_P = act_P & (cnt[self.m_P, own_P] == 1) & (own_P != s)
-            leave_E = np.bincount(self.e_P, weights=self.w_M[self.m_P] * alone_P, minlength=self.E)
-            absent_MN = (cnt == 0) * self.w_M[:, None]
-            absent_MN[:, s] = 0.0
-            enter_EN = np.asarray(self.H_EM @ absent_MN) * self.active_SE[s][:, None]
-            gain += leave_E[:, None] - enter_EN
-        gain /= self.N
-        gain[np.arange(self.E), self.node_of_E] = -np.inf
-        return gain
+        from . import _replica_kernels as _kernels
+
+        return _kernels.rep_move_gains(self.sets_MK, self.cnt_MSN, self.w_M, self.node_of_E, self.active_SE)
 
     def swap_delta(self, a: int, b: int) -> float:
         """Decrease of `value` when experts a and b exchange owner nodes (exact)."""
-        A, B = int(self.node_of_E[a]), int(self.node_of_E[b])
-        if A == B:
-            return 0.0
-        w, mark = self.w_M, self._mark
-        total = 0.0
-        for s in range(self.N):
-            sa = self.sets_of_E[a] if self.active_SE[s, a] else self.sets_of_E[a][:0]
-            sb = self.sets_of_E[b] if self.active_SE[s, b] else self.sets_of_E[b][:0]
-            mark[sa] += 1
-            mark[sb] += 2
-            a_only, b_only = sa[mark[sa] == 1], sb[mark[sb] == 2]
-            mark[sa] = 0
-            mark[sb] = 0
-            cnt_A, cnt_B = self.cnt_SMN[s, :, A], self.cnt_SMN[s, :, B]
-            fa, fb = float(A != s), float(B != s)
-            total += (w[a_only] * (fa * (cnt_A[a_only] == 1) - fb * (cnt_B[a_only] == 0))).sum()
-            total += (w[b_only] * (fb * (cnt_B[b_only] == 1) - fa * (cnt_A[b_only] == 0))).sum()
-        return float(total) / self.N
+        from . import _replica_kernels as _kernels
+
+        return float(_kernels.rep_swap_delta(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                             self.active_SE, self._mark, int(a), int(b)))
+
+    def swap_deltas(self, a_C: np.ndarray, b_C: np.ndarray) -> np.ndarray:
+        """`[C]` float64 `swap_delta` of each pair."""
+        from . import _replica_kernels as _kernels
+
+        return _kernels.rep_swap_deltas(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                        self.active_SE, self._mark, np.asarray(a_C, np.int64),
+                                        np.asarray(b_C, np.int64))
+
+    def try_swaps(self, a_C: np.ndarray, b_C: np.ndarray, load_E: np.ndarray, load_N: np.ndarray,
+                  bound: float) -> bool:
+        """As `PartitionState.try_swaps`."""
+        from . import _replica_kernels as _kernels
+
+        return bool(_kernels.rep_try_swaps(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                           self.active_SE, self._mark, np.asarray(a_C, np.int64),
+                                           np.asarray(b_C, np.int64), load_E, load_N, float(bound)))
 
     def apply_swap(self, a: int, b: int) -> None:
-        A, B = int(self.node_of_E[a]), int(self.node_of_E[b])
-        for s in range(self.N):
-            if self.active_SE[s, a]:
-                self.cnt_SMN[s, self.sets_of_E[a], A] -= 1
-                self.cnt_SMN[s, self.sets_of_E[a], B] += 1
-            if self.active_SE[s, b]:
-                self.cnt_SMN[s, self.sets_of_E[b], B] -= 1
-                self.cnt_SMN[s, self.sets_of_E[b], A] += 1
-        self.node_of_E[a], self.node_of_E[b] = B, A
+        from . import _replica_kernels as _kernels
+
+        _kernels.rep_apply_swap(self.ptr_E, self.set_P, self.cnt_MSN, self.node_of_E, self.active_SE, int(a), int(b))

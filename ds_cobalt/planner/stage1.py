@@ -5,7 +5,9 @@ Legend: M distinct top-k sets, K top-k, E experts, N nodes.
 Entry point `plan_nodes`: minimise connectivity (see objective.py) of the weighted top-k sets with exactly
 E / N experts per node and node load (sum of `load_E`) within `(1 + load_tolerance) * mean`, then relabel
 nodes to keep as many experts in place as possible. Partitioners: Mt-KaHyPar on the hypergraph of distinct
-sets (when installed) and a numpy seed (co-activation greedy), each refined by exact pairwise swaps.
+sets (when installed, single-threaded so that it is deterministic) and numpy seeds (co-activation greedy,
+pairwise cut, METIS when installed), each refined by exact pairwise swaps. The refinement's inner loops run
+compiled (`_stage1_kernels`, numba).
 """
 
 from __future__ import annotations
@@ -28,25 +30,16 @@ def _equal_fill(order_E: np.ndarray, E: int, N: int) -> np.ndarray:
 
 
 def greedy_coact_partition(load_E: np.ndarray, coact_EE: np.ndarray, nodes: int) -> np.ndarray:
-    """`[E]` node per expert: grow nodes one at a time from the hottest free expert by co-activation."""
-    E, N = load_E.size, nodes
-    per = E // N
-    free = np.ones(E, dtype=bool)
-    node_of_E = np.empty(E, dtype=np.int64)
-    for n in range(N):
-        # Step 1: seed with the hottest free expert.
-        seed = int(np.argmax(np.where(free, load_E, -1)))
-        members = [seed]
-        free[seed] = False
-        affinity_E = coact_EE[seed].astype(np.float64).copy()
-        # Step 2: add the free expert most co-activated with the node so far.
-        while len(members) < per:
-            e = int(np.argmax(np.where(free, affinity_E + 1e-9 * load_E, -np.inf)))
-            members.append(e)
-            free[e] = False
-            affinity_E += coact_EE[e]
-        node_of_E[members] = n
-    return node_of_E
+    """`[E]` node per expert: grow nodes one at a time from the hottest free expert by co-activation.
+
+    Step 1: seed node n with the hottest free expert (first maximum). Step 2: add the free expert most
+    co-activated with the node so far (affinity + 1e-9 load, first maximum) until it has E / N. Compiled
+    (`_stage1_kernels.greedy_coact`).
+    """
+    from . import _stage1_kernels as _kernels
+
+    return _kernels.greedy_coact(np.ascontiguousarray(load_E, dtype=np.float64),
+                                 np.ascontiguousarray(coact_EE, dtype=np.float64), int(nodes))
 
 
 def kahypar_partition(
@@ -100,8 +93,10 @@ _KAHYPAR: list = []
 
 
 def _kahypar_initializer(mtkahypar):  # noqa: ANN001, ANN202 - module object
+    # One thread: with several, Mt-KaHyPar returns different partitions from run to run for the same seed (the
+    # planner must be deterministic); the planner runs on one core anyway.
     if not _KAHYPAR:
-        _KAHYPAR.append(mtkahypar.initialize(2, False))
+        _KAHYPAR.append(mtkahypar.initialize(1, False))
     return _KAHYPAR[0]
 
 
@@ -135,8 +130,11 @@ def refine_swaps(
     `repair_checks`: exact checks per node-load repair step (None = every candidate swap).
     Each round ranks swaps (a -> best node B, b in B -> a's node) by their move gains, checks the
     best `candidates` exactly and applies every improving, load-feasible one; stops when none improves.
+    States with `swap_deltas`/`try_swaps` (`PartitionState`, `ReplicaPartitionState`) run the checks compiled;
+    any other state with `move_gains`/`swap_delta`/`apply_swap` runs the same steps in Python.
     """
     N = state.N
+    load_E = np.ascontiguousarray(load_E, dtype=np.float64)
     load_N = np.bincount(state.node_of_E, weights=load_E, minlength=N)
     if base_load_N is not None:
         load_N += base_load_N  # load a node carries whatever it owns (e.g. copies of other nodes' experts)
@@ -153,81 +151,88 @@ def refine_swaps(
                 # Unreachable bound from here: keep the current maximum as the bound.
                 max_node_load = float(load_N.max())
             continue
-        # Step 2: rank candidate swaps by the sum of the two single-move gains.
+        # Step 2: rank candidate swaps (a to its best node B, back the member of B best at a's node) by the
+        # sum of the two single-move gains; ties: larger a first.
         gain_EN = state.move_gains()
         best_B = np.argmax(gain_EN, axis=1)
         node = state.node_of_E
-        score = []
-        for a in np.argsort(-gain_EN[np.arange(state.E), best_B])[:cand]:
-            B = best_B[a]
-            members = np.nonzero(node == B)[0]
-            back_gain_E = gain_EN[members, node[a]]
-            b = members[int(np.argmax(back_gain_E))]
-            score.append((gain_EN[a, B] + gain_EN[b, node[a]], int(a), int(b)))
-        score.sort(reverse=True)
-        improved = False
-        touched: set[int] = set()
+        a_C = np.argsort(-gain_EN[np.arange(state.E), best_B])[:cand]
+        b_C = _back_members(gain_EN, node, N)[best_B[a_C], node[a_C]]
+        score_C = gain_EN[a_C, best_B[a_C]] + gain_EN[b_C, node[a_C]]
+        order = np.lexsort((-a_C, -score_C))
         # Step 3: exact check, apply improving and feasible swaps (each on the current state).
-        for _, a, b in score:
-            if a in touched or b in touched:
-                continue
-            A, B = node[a], node[b]
-            dA = load_E[b] - load_E[a]
-            if max(load_N[A] + dA, load_N[B] - dA) > max_node_load + 1e-9:
-                continue
-            if state.swap_delta(a, b) > 1e-9:
-                state.apply_swap(a, b)
-                load_N[A] += dA
-                load_N[B] -= dA
-                touched.update((a, b))
-                improved = True
-        if not improved:
+        if not _try_swaps(state, a_C[order], b_C[order], load_E, load_N, max_node_load):
             break
+
+
+def _back_members(gain_EN: np.ndarray, node_of_E: np.ndarray, N: int) -> np.ndarray:
+    """`[N, N]`: the member of node B with the largest gain at node A (first in index order)."""
+    from . import _stage1_kernels as _kernels
+
+    return _kernels.best_back_members(np.ascontiguousarray(gain_EN), node_of_E, N)
+
+
+def _try_swaps(state: PartitionState, a_C: np.ndarray, b_C: np.ndarray, load_E: np.ndarray, load_N: np.ndarray,
+               bound: float) -> bool:
+    """Step 3 of `refine_swaps` (compiled when the state has `try_swaps`)."""
+    if hasattr(state, "try_swaps"):
+        return state.try_swaps(a_C, b_C, load_E, load_N, bound)
+    node = state.node_of_E
+    improved = False
+    touched: set[int] = set()
+    for a, b in zip(a_C.tolist(), b_C.tolist()):
+        if a in touched or b in touched:
+            continue
+        A, B = node[a], node[b]
+        dA = load_E[b] - load_E[a]
+        if max(load_N[A] + dA, load_N[B] - dA) > bound + 1e-9:
+            continue
+        if state.swap_delta(a, b) > 1e-9:
+            state.apply_swap(a, b)
+            load_N[A] += dA
+            load_N[B] -= dA
+            touched.update((a, b))
+            improved = True
+    return improved
 
 
 def _repair_step(state: PartitionState, load_E: np.ndarray, load_N: np.ndarray, max_node_load: float,
                  exact_checks: int | None = None, gains: list | None = None) -> bool:
     """One swap lowering the fullest node's load, least damaging to the objective. False if none.
 
-    Candidate swaps: a hot expert of the fullest node A with a colder one of a light node B that keeps B
-    under the bound. All are scored exactly with `swap_delta`, or, with `exact_checks`, only the best
-    `exact_checks` after ranking by the two single-move gains (for states whose swap_delta is costly).
-    `gains`: a one-item cache of the move gains
-    ([] = compute and store); they only rank candidates, so a slightly stale matrix is fine.
+    Candidate swaps: one of the 8 hottest experts a of the fullest node A with one of the 8 coldest experts
+    colder than a of one of the 8 lightest nodes B, kept when B stays under the bound; order B, a, b (ascending
+    load, ties by index). All are scored exactly with `swap_delta`, or, with `exact_checks`, only the best
+    `exact_checks` after ranking by the two single-move gains (for states whose swap_delta is costly). `gains`:
+    a one-item cache of the move gains ([] = compute and store); they only rank candidates, so a slightly stale
+    matrix is fine. The first best pair wins.
     """
+    from . import _stage1_kernels as _kernels
+
     node = state.node_of_E
     A = int(np.argmax(load_N))
     hot = np.nonzero(node == A)[0]
     hot = hot[np.argsort(-load_E[hot])][:8]
-    light = [int(B) for B in np.argsort(load_N)[: max(1, min(state.N - 1, 8))] if B != A]
-    pairs = []
-    for B in light:
-        cold = np.nonzero(node == B)[0]
-        for a in hot:
-            ok = cold[load_E[cold] < load_E[a]]
-            ok = ok[np.argsort(load_E[ok])][:8]
-            for b in ok:
-                d = load_E[a] - load_E[b]
-                if load_N[B] + d <= max(max_node_load, load_N[A] - d) + 1e-9:
-                    pairs.append((int(a), int(b)))
-    if not pairs:
+    light = np.argsort(load_N)[: max(1, min(state.N - 1, 8))].astype(np.int64)
+    a_C, b_C = _kernels.repair_pairs(node, load_E, load_N, hot.astype(np.int64), light, A, float(max_node_load))
+    if a_C.size == 0:
         return False
-    if exact_checks is not None and len(pairs) > exact_checks:
+    if exact_checks is not None and a_C.size > exact_checks:
         if gains is None or not gains:
             gain_EN = state.move_gains()
             if gains is not None:
                 gains.append(gain_EN)
         else:
             gain_EN = gains[0]
-        approx = np.array([gain_EN[a, node[b]] + gain_EN[b, node[a]] for a, b in pairs])
-        pairs = [pairs[i] for i in np.argsort(-approx, kind="stable")[:exact_checks]]
-    best: tuple[float, int, int] | None = None
-    for a, b in pairs:
-        value = state.swap_delta(a, b)
-        if best is None or value > best[0]:
-            best = (value, a, b)
-    assert best is not None
-    _, a, b = best
+        approx = gain_EN[a_C, node[b_C]] + gain_EN[b_C, node[a_C]]
+        keep = np.argsort(-approx, kind="stable")[:exact_checks]
+        a_C, b_C = a_C[keep], b_C[keep]
+    if hasattr(state, "swap_deltas"):
+        delta_C = state.swap_deltas(a_C, b_C)
+    else:
+        delta_C = np.array([state.swap_delta(int(a), int(b)) for a, b in zip(a_C, b_C)])
+    i = int(np.argmax(delta_C))
+    a, b = int(a_C[i]), int(b_C[i])
     d = load_E[a] - load_E[b]
     load_N[node[a]] -= d
     load_N[node[b]] += d
@@ -310,8 +315,9 @@ def plan_nodes(
 
     # Step 2: exact swap refinement of each seed, keep the best feasible.
     best: tuple[float, np.ndarray] | None = None
-    for node_of_E in seeds:
-        state = PartitionState(sets_MK, count_M, node_of_E, N)
+    shared = PartitionState(sets_MK, count_M, seeds[0], N)
+    for i, node_of_E in enumerate(seeds):
+        state = shared if i == 0 else shared.with_nodes(node_of_E)
         refine_swaps(state, load_E, max_node_load)
         load_N = np.bincount(state.node_of_E, weights=load_E, minlength=N)
         value = state.value() + 1e6 * max(0.0, load_N.max() / max(max_node_load, 1e-12) - 1.0) * count_M.sum()

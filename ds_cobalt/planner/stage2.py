@@ -61,82 +61,25 @@ def pack_node(
     """`[G, O/G + R]` expert ids: owners in the first O/G slots, spare-slot items after (-1 = unused).
 
     Loads are per copy. LPT (heaviest first onto the lightest GPU with a free slot of the right kind and
-    no copy of the same expert), then pairwise swaps of same-kind items that lower the heavier GPU.
+    no copy of the same expert), then pairwise swaps of same-kind items between the heaviest GPU and the 3
+    lightest others that lower the heavier GPU. Ties go to the lower index (GPU, item).
     """
+    from . import _stage2_kernels as _kernels
+
     G = gpus
-    per_gpu = owner_ids_O.size // G
     R = spare_per_gpu
-    gpu_of_owner = np.full(owner_ids_O.size, -1, dtype=np.int64)
-    gpu_of_spare = np.full(spare_ids_X.size, -1, dtype=np.int64)
-    load_G = np.zeros(G)
-    used_owner_G = np.zeros(G, dtype=np.int64)
-    used_spare_G = np.zeros(G, dtype=np.int64)
-    held: list[set[int]] = [set() for _ in range(G)]
-    # Step 1: one list, heaviest first; owners and spare items fill their own slot kinds.
-    items = [(float(owner_load_O[i]), 0, i) for i in range(owner_ids_O.size)]
-    items += [(float(spare_load_X[i]), 1, i) for i in range(spare_ids_X.size)]
-    items.sort(key=lambda x: (-x[0], x[1], x[2]))
-    for load, kind, i in items:
-        e = int(owner_ids_O[i] if kind == 0 else spare_ids_X[i])
-        free = used_owner_G < per_gpu if kind == 0 else used_spare_G < R
-        ok = free & np.array([e not in h for h in held])
-        if not ok.any():
-            if kind == 1:
-                continue  # no GPU can take another copy: leave the spare slot empty
-            ok = free
-        g = int(np.argmin(np.where(ok, load_G, np.inf)))
-        load_G[g] += load
-        held[g].add(e)
-        if kind == 0:
-            gpu_of_owner[i] = g
-            used_owner_G[g] += 1
-        else:
-            gpu_of_spare[i] = g
-            used_spare_G[g] += 1
-    # Step 2: swap polish between the heaviest GPU and the others.
-    for _ in range(4 * G):
-        hi = int(np.argmax(load_G))
-        best = (0.0, -1, -1, -1)
-        for kind, gpu_of, loads, ids in ((0, gpu_of_owner, owner_load_O, owner_ids_O),
-                                         (1, gpu_of_spare, spare_load_X, spare_ids_X)):
-            on_hi = np.nonzero(gpu_of == hi)[0]
-            for lo in np.argsort(load_G)[: min(G - 1, 3)]:
-                if lo == hi or on_hi.size == 0:
-                    continue
-                on_lo = np.nonzero(gpu_of == lo)[0]
-                if on_lo.size == 0:
-                    continue
-                d_AB = loads[on_hi][:, None] - loads[on_lo][None, :]
-                gain_AB = load_G[hi] - np.maximum(load_G[hi] - d_AB, load_G[lo] + d_AB)
-                bad_A = np.isin(ids[on_hi], list(held[lo]))
-                bad_B = np.isin(ids[on_lo], list(held[hi]))
-                gain_AB[(d_AB <= 0) | bad_A[:, None] | bad_B[None, :]] = 0.0
-                ia, ib = np.unravel_index(int(np.argmax(gain_AB)), gain_AB.shape)
-                if gain_AB[ia, ib] > best[0] + 1e-12:
-                    best = (float(gain_AB[ia, ib]), kind, int(on_hi[ia]), int(on_lo[ib]))
-        if best[1] < 0:
-            break
-        _, kind, a, b = best
-        gpu_of, ids, loads = ((gpu_of_owner, owner_ids_O, owner_load_O) if kind == 0
-                              else (gpu_of_spare, spare_ids_X, spare_load_X))
-        lo = int(gpu_of[b])
-        d = loads[a] - loads[b]
-        held[hi].discard(int(ids[a]))
-        held[lo].discard(int(ids[b]))
-        held[hi].add(int(ids[b]))
-        held[lo].add(int(ids[a]))
-        gpu_of[a], gpu_of[b] = lo, hi
-        load_G[hi] -= d
-        load_G[lo] += d
-    out = np.full((G, per_gpu + R), -1, dtype=np.int64)
-    for g in range(G):
-        own = np.sort(owner_ids_O[gpu_of_owner == g])
-        spare = spare_ids_X[gpu_of_spare == g]
-        # A spare copy that collides with an owner forced onto the same GPU is dropped.
-        spare = np.array([e for i, e in enumerate(spare) if e not in own and e not in spare[:i]], dtype=np.int64)
-        out[g, :per_gpu] = own
-        out[g, per_gpu : per_gpu + spare.size] = spare
-    return out
+    owner_ids_O = np.asarray(owner_ids_O, dtype=np.int64)
+    spare_ids_X = np.asarray(spare_ids_X, dtype=np.int64)
+    # Step 1 order: one list, heaviest first (ties: owners first, then by index); owners and spare items
+    # fill their own slot kinds. Steps 1-2 run compiled (`_stage2_kernels.pack_items`).
+    load_I = np.concatenate([np.asarray(owner_load_O, np.float64), np.asarray(spare_load_X, np.float64)])
+    kind_I = np.repeat(np.array([0, 1], dtype=np.int64), [owner_ids_O.size, spare_ids_X.size])
+    idx_I = np.concatenate([np.arange(owner_ids_O.size), np.arange(spare_ids_X.size)]).astype(np.int64)
+    order = np.lexsort((idx_I, kind_I, -load_I))
+    ids_I = np.concatenate([owner_ids_O, spare_ids_X])
+    num_ids = int(ids_I.max(initial=-1)) + 1
+    return _kernels.pack_items(load_I[order], kind_I[order], idx_I[order], ids_I[order], owner_ids_O.size,
+                               spare_ids_X.size, G, R, num_ids)
 
 
 def plan_gpus(
