@@ -1,20 +1,27 @@
 """End-to-end comparison on the emulated 2 x 2 cluster: DeepSpeed's MoE vs ds_cobalt, back to back.
 
-    sudo python benchmarks/e2e_cluster.py [--rates loopback 10gbit 1gbit 100mbit] [--steps 30] [--out runs/e2e]
+    sudo python benchmarks/e2e_cluster.py [--rates loopback 10gbit 1gbit 100mbit] [--models default fine-grained]
+                                          [--steps 60] [--out runs/e2e]
+
+Models (examples/train_moe.py arguments):
+  default        8 experts, top-2, d_ff 128 (the example's defaults)
+  fine-grained   32 small experts, top-6, d_ff 32: DeepSeek-like (many experts per token, small GEMMs)
 
 Variants (same data, seed and initial weights; examples/train_moe.py):
   a  deepspeed          DeepSpeed's own MoE layer and all-to-all
   b  cobalt             ds_cobalt's defaults, contiguous layout: the hierarchical schedule, each token crosses
                         to each remote node once
-  (opt-in) cobalt-direct, cobalt-auto   (b) with `transport.schedule` "direct" (each token once per destination
-                        rank) or "auto" (both timed on the first steps, the faster kept)
+  (opt-in) cobalt-direct, cobalt-dense, cobalt-auto   (b) with `transport.schedule` "direct" (each token once
+                        per destination rank), "dense" (DeepSpeed's padded exchange) or "auto" (all three timed
+                        on the first steps, the fastest kept)
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
   (opt-in) cobalt-placement-overlap-auto   (c) + `overlap.enabled: "auto"`: tuned tiles and rail chunks,
                         then overlapped or phased, whichever forward is faster
-One `benchmarks/cluster/run_cluster.sh` job per (rate, variant), one after the other (2 cores). Each writes
-`OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`). Prints, per rate,
+One `benchmarks/cluster/run_cluster.sh` job per (model, rate, variant), one after the other (2 cores). Each writes
+`OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`; the default model, other models
+under `OUT/<model>/`). Prints, per rate,
 tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, and the
 largest loss difference to (a); writes `OUT/summary.json`, `OUT/summary.md` and the plots of
 `ds-cobalt report OUT` (`OUT/report/index.html`: throughput and bytes per step, co-activation heatmaps).
@@ -37,6 +44,7 @@ VARIANTS = {
     "deepspeed": {"impl": "deepspeed", "cobalt": {}},
     "cobalt": {"impl": "cobalt", "cobalt": {}},  # the defaults (transport.schedule "hierarchical")
     "cobalt-direct": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "direct"}}},
+    "cobalt-dense": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "dense"}}},
     "cobalt-auto": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "auto"}}},
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
@@ -50,6 +58,18 @@ VARIANTS = {
         "overlap": {"enabled": "auto", "rail_chunks": "auto"},
     }},
 }
+
+
+MODELS = {
+    "default": [],
+    "fine-grained": ["--num-experts", "32", "--top-k", "6", "--d-ff", "32"],
+}
+
+
+def model_dir(out_root: Path, model: str) -> Path:
+    """Where a model's runs go: OUT itself for the default model (the layout `ds-cobalt report` and
+    `ds-cobalt calibrate --compare` read), OUT/<model> for the others."""
+    return out_root if model == "default" else out_root / model
 
 
 def rate_gbps(rate: str) -> float:
@@ -121,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["deepspeed", "cobalt", "cobalt-placement",
                                                      "cobalt-placement-overlap"],
                    choices=list(VARIANTS))
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--models", nargs="+", default=["default", "fine-grained"], choices=list(MODELS))
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--config", default="ds_config_templates/cpu_2nodes_x_2ranks.json")
     p.add_argument("--repo", default=str(REPO),
@@ -135,30 +156,40 @@ def main(argv: list[str] | None = None) -> int:
     python_path = os.pathsep.join([str(Path(args.repo).resolve()), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": python_path}
     failed = 0
-    for rate in args.rates:
-        for variant in args.variants:
-            out = out_root / f"{rate}-{variant}"
-            out.mkdir(parents=True, exist_ok=True)
-            config = out / "ds_config.json"
-            config.write_text(json.dumps(variant_config(base, variant, rate), indent=2))
-            cmd = [
-                "bash", str(Path(args.repo) / "benchmarks/cluster/run_cluster.sh"), "--rate", rate, "--out", str(out),
-                "--", "--deepspeed_config", str(config), "--moe-impl", VARIANTS[variant]["impl"],
-                "--steps", str(args.steps), "--metrics-out", str(out / "metrics.json"),
-                "--trace-out", str(out / "trace.npz"), *args.extra,
-            ]
-            print(f"[e2e] {rate} {variant}", flush=True)
-            with open(out / "run.log", "w") as log:
-                rc = subprocess.run(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-            print(f"[e2e] {rate} {variant} rc={rc}", flush=True)
-            failed += rc != 0
-    summary = summarize(out_root, args.rates, args.variants)
-    (out_root / "summary.json").write_text(json.dumps(summary, indent=1))
-    table = markdown(summary)
-    (out_root / "summary.md").write_text(table)
-    print(table)
-    report = subprocess.run([sys.executable, "-m", "ds_cobalt.cli", "report", str(out_root)], cwd=args.repo, env=env)
-    return 1 if failed or report.returncode else 0
+    tables = []
+    for model in args.models:
+        out_model = model_dir(out_root, model)
+        for rate in args.rates:
+            for variant in args.variants:
+                failed += _run(args, base, env, out_model, model, rate, variant) != 0
+        summary = summarize(out_model, args.rates, args.variants)
+        (out_model / "summary.json").write_text(json.dumps(summary, indent=1))
+        table = markdown(summary)
+        (out_model / "summary.md").write_text(table)
+        tables.append(f"model: {model}\n{table}")
+        report = subprocess.run([sys.executable, "-m", "ds_cobalt.cli", "report", str(out_model)], cwd=args.repo,
+                                env=env)
+        failed += report.returncode != 0
+    print("\n".join(tables))
+    return 1 if failed else 0
+
+
+def _run(args, base: dict, env: dict, out_model: Path, model: str, rate: str, variant: str) -> int:
+    out = out_model / f"{rate}-{variant}"
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "ds_config.json"
+    config.write_text(json.dumps(variant_config(base, variant, rate), indent=2))
+    cmd = [
+        "bash", str(Path(args.repo) / "benchmarks/cluster/run_cluster.sh"), "--rate", rate, "--out", str(out),
+        "--", "--deepspeed_config", str(config), "--moe-impl", VARIANTS[variant]["impl"],
+        "--steps", str(args.steps), "--metrics-out", str(out / "metrics.json"),
+        "--trace-out", str(out / "trace.npz"), *MODELS[model], *args.extra,
+    ]
+    print(f"[e2e] {model} {rate} {variant}", flush=True)
+    with open(out / "run.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    print(f"[e2e] {model} {rate} {variant} rc={rc}", flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class TransportConfig(_Section):
     was the faster schedule at every link rate measured, and `auto`'s few timed steps are too noisy there to
     always pick it (docs/runtime.md)."""
 
-    schedule: Literal["auto", "hierarchical", "direct"] = "hierarchical"
+    schedule: Literal["auto", "hierarchical", "direct", "dense"] = "hierarchical"
 
 
 class CobaltConfig(_Section):

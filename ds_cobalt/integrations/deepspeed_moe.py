@@ -7,6 +7,7 @@ expert-data-parallel reduction and ZeRO-1/2 are unchanged. The gate is DeepSpeed
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -78,12 +79,15 @@ class MoE(CoreAccess, DeepSpeedMoE):
         d_model = hidden_states.shape[-1]
         x_TD = hidden_states.reshape(-1, d_model)
         # DeepSpeed's gate, sparse form: [K, T] expert ids (-1 = dropped) and weights.
-        l_aux, capacity, _, ids_KT, _, weights_KT, exp_counts = moe.gate(x_TD, used_token, True, False)
+        local = _capacity_is_local(moe.gate)
+        with _without_capacity_all_reduce(moe.gate, local):
+            l_aux, capacity, _, ids_KT, locations_KT, weights_KT, exp_counts = moe.gate(x_TD, used_token, True, False)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         experts = list(moe.experts.deepspeed_experts)
         binding = ExpertBinding(experts[0], tuple(name for name, _ in experts[0].named_parameters()),
-                                [tuple(expert.parameters()) for expert in experts])
-        output = self.cobalt_core.run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, int(capacity))
+                                [tuple(expert.parameters()) for expert in experts], experts)
+        output = self.cobalt_core.run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
+                                      locations_KT.t())
         output = output.reshape(hidden_states.shape)
 
         if self.use_residual:
@@ -102,3 +106,23 @@ class MoE(CoreAccess, DeepSpeedMoE):
     @property
     def model_dim(self) -> int:
         return int(self.deepspeed_moe.gate.wg.weight.shape[1])
+
+
+def _capacity_is_local(gate: torch.nn.Module) -> bool:
+    """Whether the gate's capacity all-reduce can be left out: dropless top-2 and top-k routes do not depend on
+    the capacity (it only sizes DeepSpeed's padded buffers, which ds_cobalt does not build; its counters get
+    the group's largest value from the count exchange). Top-1 keeps it: its random token selection takes
+    `min(capacity, tokens)` winners per expert, and ties at zero could resolve differently."""
+    return not gate.drop_tokens and gate.k >= 2
+
+
+@contextmanager
+def _without_capacity_all_reduce(gate: torch.nn.Module, skip: bool):
+    if not skip:
+        yield
+        return
+    ep_group, gate.ep_group = gate.ep_group, None  # DeepSpeed reduces only when the group is parallel
+    try:
+        yield
+    finally:
+        gate.ep_group = ep_group

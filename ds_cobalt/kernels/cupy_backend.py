@@ -90,8 +90,8 @@ def _check_index(index: torch.Tensor, name: str, length: int | None = None) -> N
 
 
 # ---------------------------------------------------------------------------------------- dedup_pairs
-def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
-                num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int,
+                padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `ref.dedup_pairs`. Kernels: cuda/dedup_pairs.cu (mark, scan, compact)."""
     dev = _check_cuda(dest_node_TK)
     if dest_node_TK.dim() != 2 or dest_node_TK.dtype not in _INDEX_DTYPES:
@@ -107,8 +107,9 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
     device = dest.device
     rail_send_N = torch.zeros(N, dtype=torch.int64, device=device)
     pair_index_TK = torch.empty((T, K), dtype=torch.int64, device=device)
+    bound = T * min(K, max(N - 1, 0))
     if T * K == 0:
-        return torch.empty(0, dtype=torch.int64, device=device), rail_send_N, pair_index_TK
+        return torch.empty(bound if padded else 0, dtype=torch.int64, device=device), rail_send_N, pair_index_TK
     suffix = _INDEX_DTYPES[dest.dtype]
     flags_NT = torch.zeros(N * T, dtype=torch.uint8, device=device)
     pos_NT = torch.empty(N * T, dtype=torch.int32, device=device)
@@ -116,7 +117,8 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
     _launch(dest, "dedup_pairs.cu", f"dedup_mark_{suffix}", _flat_grid(T, 256, dev), 256,
             (_cp(dest), *scalars, _cp(flags_NT)))
     _launch(dest, "dedup_pairs.cu", "dedup_scan", N, 256, (_cp(flags_NT), np.int64(T), _cp(pos_NT), _cp(rail_send_N)))
-    P = int(rail_send_N.sum().item())  # NOTE: host sync (the output size depends on the data)
+    # the output size depends on the data: the bound when padded, else the count (NOTE: host sync)
+    P = bound if padded else int(rail_send_N.sum().item())
     pair_token_P = torch.empty(P, dtype=torch.int64, device=device)
     _launch(dest, "dedup_pairs.cu", f"dedup_compact_{suffix}", _flat_grid(T * K, 256, dev), 256,
             (_cp(dest), *scalars, _cp(pos_NT), _cp(rail_send_N), _cp(pair_token_P), _cp(pair_index_TK)))

@@ -78,15 +78,16 @@ def _impl(backend: str, *tensors: torch.Tensor | None) -> ModuleType:
     return cupy_backend
 
 
-def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int, *,
+def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int, *, padded: bool = False,
                 backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token, remote node) pairs of one source rank: `(pair_token_P, rail_send_N, pair_index_TK)`.
 
     `dest_node_TK`: `[T, K]` int32/int64, -1 = dropped. `pair_token_P`: `[P]` int64, node-major then token
     order. `rail_send_N`: `[N]` int64 pairs per node. `pair_index_TK`: `[T, K]` int64 pair of each route,
-    -1 = local or dropped. Syncs with the host (P depends on the data). See `ref.dedup_pairs`.
+    -1 = local or dropped. Syncs with the host (P depends on the data), unless `padded` (then `pair_token_P`
+    holds `T * min(K, N - 1)` entries, the P pairs first). See `ref.dedup_pairs`.
     """
-    return _impl(backend, dest_node_TK).dedup_pairs(dest_node_TK, src_node, num_nodes)
+    return _impl(backend, dest_node_TK).dedup_pairs(dest_node_TK, src_node, num_nodes, padded)
 
 
 def gather_rows(x_TD: torch.Tensor, index_P: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:

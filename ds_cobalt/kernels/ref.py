@@ -15,8 +15,8 @@ import torch
 __all__ = ["dedup_pairs", "gather_rows", "weighted_scatter_add", "accumulate_dtype"]
 
 
-def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
-                num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int,
+                padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Deduplicate the (token, remote node) pairs of one source rank.
 
     `dest_node_TK`: `[T, K]` int32/int64 destination node of each route, -1 = dropped route; values must
@@ -27,7 +27,9 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
         `[start_n, start_n + rail_send_N[n])` with `start_n = cumsum(rail_send_N) - rail_send_N`);
       - `pair_index_TK`: `[T, K]` int64, for each remote route the index in `[0, P)` of its pair
         (routes of one token to the same node share it), -1 for local or dropped routes.
-    The number of pairs P depends on the data: on CUDA this syncs with the host (as `nonzero` does).
+    The number of pairs P depends on the data: on CUDA this syncs with the host (as `nonzero` does), unless
+    `padded`: then `pair_token_P` has the bound `T * min(K, N - 1)` entries, the P pairs first, the rest
+    unspecified, and nothing waits (the caller cuts it at `rail_send_N.sum()` once that is on the host).
     """
     if dest_node_TK.dim() != 2:
         raise ValueError(f"dest_node_TK must be [T, K], got shape {tuple(dest_node_TK.shape)}")
@@ -41,7 +43,11 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int,
     pair_NT = torch.zeros((N + 1) * T, dtype=torch.bool, device=device)
     pair_NT.scatter_(0, cell_TK.reshape(-1), True)
     pair_NT = pair_NT.reshape(N + 1, T)[:N]
-    _, pair_token_P = pair_NT.nonzero(as_tuple=True)  # NOTE: host sync (P depends on the data)
+    if padded:
+        bound = T * min(K, max(N - 1, 0))
+        pair_token_P = torch.argsort((~pair_NT).reshape(-1).to(torch.uint8), stable=True)[:bound] % max(T, 1)
+    else:
+        _, pair_token_P = pair_NT.nonzero(as_tuple=True)  # NOTE: host sync (P depends on the data)
     rail_send_N = pair_NT.sum(1)
     pair_pos = torch.cumsum(pair_NT.reshape(-1), 0) - 1
     pair_index_TK = torch.where(remote_TK, pair_pos[cell_TK.clamp(max=N * T - 1)], torch.full_like(cell_TK, -1))

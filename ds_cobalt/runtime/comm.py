@@ -6,6 +6,7 @@ a local copy), never the default world group.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -56,3 +57,64 @@ class _AllToAllRows(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         send_splits, recv_splits = ctx.splits
         return _all_to_all(grad_out, recv_splits, send_splits, ctx.group), None, None, None
+
+
+Splits = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def all_to_all_row_pair(a: torch.Tensor, b: torch.Tensor, send_splits: Splits, recv_splits: Splits,
+                        group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two variable-size all-to-alls (rows of `a` and rows of `b`, any dtypes) in one message; differentiable.
+
+    `send_splits = (a_splits, b_splits)`: peer p gets `a_splits[p]` rows of `a` then `b_splits[p]` rows of `b`,
+    as bytes; `recv_splits` likewise."""
+    if group is None:
+        return a, b
+    return _AllToAllRowPair.apply(a, b, tuple(map(tuple, send_splits)), tuple(map(tuple, recv_splits)), group)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _pack(a: torch.Tensor, b: torch.Tensor, splits: Splits) -> tuple[torch.Tensor, list[int]]:
+    a8 = a.contiguous().view(torch.uint8).reshape(a.shape[0], _row_bytes(a))
+    b8 = b.contiguous().view(torch.uint8).reshape(b.shape[0], _row_bytes(b))
+    pieces = [part.reshape(-1) for pa, pb in zip(a8.split(list(splits[0])), b8.split(list(splits[1])))
+              for part in (pa, pb)]
+    return torch.cat(pieces), [x.numel() + y.numel() for x, y in zip(pieces[0::2], pieces[1::2])]
+
+
+def _unpack(buf: torch.Tensor, splits: Splits, like_a: torch.Tensor,
+            like_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ra, rb = _row_bytes(like_a), _row_bytes(like_b)
+    parts = buf.split([na * ra + nb * rb for na, nb in zip(*splits)])
+    a8 = torch.cat([p[: na * ra] for p, na in zip(parts, splits[0])])
+    b8 = torch.cat([p[na * ra:] for p, na in zip(parts, splits[0])])
+    return (a8.view(like_a.dtype).reshape(-1, *like_a.shape[1:]), b8.view(like_b.dtype).reshape(-1, *like_b.shape[1:]))
+
+
+def _pair_exchange(a: torch.Tensor, b: torch.Tensor, send: Splits, recv: Splits,
+                   group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    buf, send_bytes = _pack(a, b, send)
+    recv_bytes = [na * _row_bytes(a) + nb * _row_bytes(b) for na, nb in zip(*recv)]
+    out = buf.new_empty(sum(recv_bytes))
+    dist.all_to_all_single(out, buf, recv_bytes, send_bytes, group=group)
+    return _unpack(out, recv, a, b)
+
+
+class _AllToAllRowPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, send_splits, recv_splits, group):  # type: ignore[override]
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        ctx.like = (a.new_empty((0, *a.shape[1:])), b.new_empty((0, *b.shape[1:])))
+        return _pair_exchange(a, b, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b):  # type: ignore[override]
+        send_splits, recv_splits = ctx.splits
+        like_a, like_b = ctx.like
+        grad_a = like_a.new_zeros((sum(recv_splits[0]), *like_a.shape[1:])) if grad_a is None else grad_a
+        grad_b = like_b.new_zeros((sum(recv_splits[1]), *like_b.shape[1:])) if grad_b is None else grad_b
+        ga, gb = _pair_exchange(grad_a, grad_b, recv_splits, send_splits, ctx.group)
+        return ga, gb, None, None, None

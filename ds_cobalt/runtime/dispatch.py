@@ -12,8 +12,10 @@ Combine mirrors it: experts' outputs return to the relay, which sums the weighte
 expert that served a token on its node, and one row per (token, remote node) returns to the source.
 Backward reuses the plan through autograd (every all-to-all is differentiable).
 
+`dispatch`/`combine` (no overlap): one count exchange over the EP group gives both stages' sizes
+(`plan_layer`, the one host sync), rows and routes share one rail message: forward 5 collectives, backward 4.
 The phases (`plan_rail`, `rail_payload`, `relay_routes`, `node_counts`) are shared with the overlapped
-schedule in `overlap.py`; `dispatch`/`combine` compose them without overlap.
+schedule in `overlap.py`, which exchanges counts per rail chunk and per round.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Sequence
 import torch
 
 from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
-from .comm import all_to_all_rows, exchange_counts
+from .comm import all_to_all_row_pair, all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_tasks
 from .topology import EPGroups, Topology
 from .traffic import ExchangeCounts
@@ -80,14 +82,25 @@ class DispatchHandle:
     backend: str = "torch"  # kernel backend for combine
 
 
-def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
-              backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
-    """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync).
+@dataclass(frozen=True)
+class _Routes:
+    """Task assignment and (token, remote node) dedup of one rank's routes, on the device."""
 
-    `backend`: kernel backend of `ds_cobalt.kernels` ("torch" or "cupy"). `assignment`: this call's
-    `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
+    dest_rank_TK: torch.Tensor
+    dest_slot_TK: torch.Tensor
+    dest_node_TK: torch.Tensor  # -1 = dropped
+    remote_TK: torch.Tensor
+    local_TK: torch.Tensor
+    pair_token_P: torch.Tensor  # padded: the pairs first, cut once their count is on the host
+    pair_index_TK: torch.Tensor
+    rail_send_N: torch.Tensor  # pairs to each node
+    route_send_N: torch.Tensor  # remote routes to each node
+
+
+def _assigned_routes(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str,
+                     assignment: tuple[torch.Tensor, torch.Tensor] | None) -> _Routes:
     topo = groups.topology
-    T, K = topk_ids_TK.shape
+    T = topk_ids_TK.shape[0]
     N, G = topo.nodes, topo.ranks_per_node
     if T >= _EXACT_FP32_INT:
         raise ValueError(f"ds_cobalt: {T} tokens on one rank in one MoE call; at most {_EXACT_FP32_INT - 1} supported")
@@ -95,40 +108,105 @@ def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGr
     valid_TK = dest_rank_TK >= 0
     dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
     remote_TK = valid_TK & (dest_node_TK != topo.node)
-    local_TK = valid_TK & ~remote_TK
-
-    # Step 1: (token, remote node) pairs, node-major, and the per-node route counts.
-    pair_token_P, rail_send_N, pair_index_TK = dedup_pairs(dest_node_TK, topo.node, N, backend=backend)
+    pair_token_P, rail_send_N, pair_index_TK = dedup_pairs(dest_node_TK, topo.node, N, padded=True, backend=backend)
     route_send_N = torch.zeros(N, dtype=torch.int64, device=topk_ids_TK.device).scatter_add_(
         0, dest_node_TK.clamp(min=0).reshape(-1), remote_TK.reshape(-1).long())
+    return _Routes(dest_rank_TK, dest_slot_TK, dest_node_TK, remote_TK, valid_TK & ~remote_TK, pair_token_P,
+                   pair_index_TK, rail_send_N, route_send_N)
 
-    # Step 2: count exchange on the rail; the one host sync brings every size this plan needs.
-    counts_N2 = torch.stack([rail_send_N, route_send_N], 1)
-    recv_counts_N2 = exchange_counts(counts_N2, groups.rail_group)
-    host = torch.cat([counts_N2.reshape(-1), recv_counts_N2.reshape(-1),
-                      local_TK.sum().reshape(1)]).tolist()  # NOTE: host sync
-    rail_send, route_send = tuple(host[0: 2 * N: 2]), tuple(host[1: 2 * N: 2])
-    rail_recv, route_recv = tuple(host[2 * N: 4 * N: 2]), tuple(host[2 * N + 1: 4 * N: 2])
 
-    # Step 3: remote routes node-major (token order inside a node) and local routes in token order, as
-    # stable sorts cut at the sizes now known (no data-dependent `nonzero`).
-    route_key = torch.where(remote_TK, dest_node_TK, torch.full_like(dest_node_TK, N)).reshape(-1)
+def _rail_plan(r: _Routes, groups: EPGroups, rail_send: tuple[int, ...], route_send: tuple[int, ...],
+               rail_recv: tuple[int, ...], route_recv: tuple[int, ...], num_local: int) -> RailPlan:
+    """Remote routes node-major (token order inside a node) and local routes in token order, as stable sorts
+    cut at the exchanged sizes (no data-dependent `nonzero`)."""
+    N, G = groups.topology.nodes, groups.topology.ranks_per_node
+    T, K = r.dest_rank_TK.shape
+    route_key = torch.where(r.remote_TK, r.dest_node_TK, torch.full_like(r.dest_node_TK, N)).reshape(-1)
     route_tk = torch.argsort(route_key, stable=True)[: sum(route_send)]
     route_t, route_k = route_tk // K, route_tk % K
-    local_tk = torch.argsort((~local_TK).reshape(-1).to(torch.uint8), stable=True)[: host[-1]]
+    local_tk = torch.argsort((~r.local_TK).reshape(-1).to(torch.uint8), stable=True)[:num_local]
     local_t, local_k = local_tk // K, local_tk % K
-    route_node = dest_node_TK[route_t, route_k]
-    pair_start_N = torch.cumsum(rail_send_N, 0) - rail_send_N
+    route_node = r.dest_node_TK[route_t, route_k]
+    pair_start_N = torch.cumsum(r.rail_send_N, 0) - r.rail_send_N
     route_meta_R3 = torch.stack([
-        pair_index_TK[route_t, route_k] - pair_start_N[route_node],
-        dest_rank_TK[route_t, route_k] % G,
-        dest_slot_TK[route_t, route_k],
+        r.pair_index_TK[route_t, route_k] - pair_start_N[route_node],
+        r.dest_rank_TK[route_t, route_k] % G,
+        r.dest_slot_TK[route_t, route_k],
     ], dim=1).to(torch.float32)
     return RailPlan(
-        num_tokens=T, dest_rank_TK=dest_rank_TK, dest_slot_TK=dest_slot_TK, pair_token_P=pair_token_P,
+        num_tokens=T, dest_rank_TK=r.dest_rank_TK, dest_slot_TK=r.dest_slot_TK,
+        pair_token_P=r.pair_token_P[: sum(rail_send)],
         route_t=route_t, route_k=route_k, route_meta_R3=route_meta_R3, local_t=local_t, local_k=local_k,
         rail_send=rail_send, route_send=route_send, rail_recv=rail_recv, route_recv=route_recv,
     )
+
+
+def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
+              backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
+    """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync); the
+    overlapped schedule's per-chunk plan (`plan_layer` also exchanges the node stage's counts).
+
+    `backend`: kernel backend of `ds_cobalt.kernels` ("torch" or "cupy"). `assignment`: this call's
+    `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
+    N = groups.topology.nodes
+    r = _assigned_routes(topk_ids_TK, placement, groups, backend, assignment)
+    counts_N2 = torch.stack([r.rail_send_N, r.route_send_N], 1)
+    recv_counts_N2 = exchange_counts(counts_N2, groups.rail_group)
+    host = torch.cat([counts_N2.reshape(-1), recv_counts_N2.reshape(-1),
+                      r.local_TK.sum().reshape(1)]).tolist()  # NOTE: host sync
+    return _rail_plan(r, groups, tuple(host[0: 2 * N: 2]), tuple(host[1: 2 * N: 2]),
+                      tuple(host[2 * N: 4 * N: 2]), tuple(host[2 * N + 1: 4 * N: 2]), host[-1])
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """`plan_layer`'s result: the rail plan, both stages' split sizes and DeepSpeed's capacity."""
+
+    rail: RailPlan
+    send_GS: list[list[int]]  # rows this relay sends to each local rank, per slot
+    recv_GS: list[list[int]]  # rows this expert rank receives from each local rank (relay), per slot
+    capacity: int  # this rank's value of `capacity`, or the largest over the EP group (`reduce_capacity`)
+
+
+def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str = "torch",
+               capacity: torch.Tensor | int = 0, reduce_capacity: bool = False) -> LayerPlan:
+    """Task assignment, dedup and one count exchange over the EP group for both stages (one host sync).
+
+    Every source (n, g) sends each rank (m, g') its pair and route counts for node m and its route counts
+    per (rank of node m, slot). Rank (m, g') then knows, as rail peer, what arrives on the rail; as relay,
+    what it forwards to each local rank (sum over the sources with local index g'); as expert rank, what
+    each relay g sends it (sum over the sources with local index g). `capacity` (a DeepSpeed gate's, for
+    the counters) rides along; with `reduce_capacity` the largest over the group is returned."""
+    topo = groups.topology
+    N, G, W, S = topo.nodes, topo.ranks_per_node, topo.world_size, placement.slots_per_rank
+    r = _assigned_routes(topk_ids_TK, placement, groups, backend, None)
+    device = topk_ids_TK.device
+    valid = r.dest_rank_TK.reshape(-1) >= 0
+    slot_key = torch.where(valid, r.dest_rank_TK.reshape(-1) * S + r.dest_slot_TK.reshape(-1),
+                           torch.full_like(valid, W * S, dtype=torch.int64))
+    per_slot_NX = torch.bincount(slot_key, minlength=W * S + 1)[: W * S].reshape(N, G * S)
+    peer_node = torch.arange(W, device=device) // G
+    cap = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1, 1).expand(W, 1)
+    send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_slot_NX[peer_node],
+                         cap], 1)
+    recv_NGF = exchange_counts(send_WF, groups.ep_group).reshape(N, G, -1)
+    me = topo.local_rank
+    blocks_NGGS = recv_NGF[:, :, 2: 2 + G * S].reshape(N, G, G, S)
+    own_cap = recv_NGF[topo.node, me, -1:]
+    host = torch.cat([
+        r.rail_send_N, r.route_send_N, r.local_TK.sum().reshape(1),
+        recv_NGF[:, me, 0], recv_NGF[:, me, 1],
+        blocks_NGGS[:, me].sum(0).reshape(-1),  # relay: rows to each local rank, per slot
+        blocks_NGGS[:, :, me].sum(0).reshape(-1),  # expert rank: rows from each relay, per slot
+        recv_NGF[:, :, -1].max().reshape(1) if reduce_capacity else own_cap,
+    ]).tolist()  # NOTE: host sync (the layer's only one)
+    rail = _rail_plan(r, groups, tuple(host[:N]), tuple(host[N: 2 * N]), tuple(host[2 * N + 1: 3 * N + 1]),
+                      tuple(host[3 * N + 1: 4 * N + 1]), host[2 * N])
+    at = 4 * N + 1
+    send_GS = [host[at + g * S: at + (g + 1) * S] for g in range(G)]
+    at += G * S
+    recv_GS = [host[at + g * S: at + (g + 1) * S] for g in range(G)]
+    return LayerPlan(rail, send_GS, recv_GS, host[-1])
 
 
 def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan,
@@ -151,7 +229,8 @@ def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch
     if recv_routes_R4 is not None:
         device = recv_routes_R4.device
         recv = torch.tensor(plan.rail_recv, device=device)
-        src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(plan.route_recv, device=device))
+        src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(plan.route_recv, device=device),
+                                           output_size=sum(plan.route_recv))
         meta = recv_routes_R4[:, :3].detach().long()
         pool = pool_offset + (recv.cumsum(0) - recv)[src_node] + meta[:, 0]
         parts.append((pool, meta[:, 1], meta[:, 2], recv_routes_R4[:, 3]))
@@ -176,32 +255,36 @@ def node_counts_many(relays: Sequence[RelayRoutes], groups: EPGroups,
     return [([row[i] for row in send], [row[i] for row in recv]) for i in range(len(relays))]
 
 
-def plan_counts(plan: RailPlan, node_send: Sequence[int], node_recv: Sequence[int]) -> ExchangeCounts:
+def plan_counts(plan: RailPlan, node_send: Sequence[int], node_recv: Sequence[int],
+                capacity: int = 0) -> ExchangeCounts:
     """The split sizes of one rail plan and its intra-node exchange."""
     return ExchangeCounts(tokens=plan.num_tokens, rail_send=plan.rail_send, rail_recv=plan.rail_recv,
-                          route_send=plan.route_send, node_send=tuple(node_send), node_recv=tuple(node_recv))
+                          route_send=plan.route_send, node_send=tuple(node_send), node_recv=tuple(node_recv),
+                          deepspeed_capacity=capacity)
 
 
 def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
-             placement: LayerPlacement, groups: EPGroups,
-             backend: str = "torch") -> tuple[torch.Tensor, DispatchHandle]:
+             placement: LayerPlacement, groups: EPGroups, backend: str = "torch", capacity: torch.Tensor | int = 0,
+             reduce_capacity: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
     """Send token rows to the copies chosen by `assign_tasks`; return `[Q, D]` rows and the handle.
 
-    `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable).
+    `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable). Collectives: one count
+    exchange, one rail message (rows with their routes), one node message; one host sync.
     """
     S = placement.slots_per_rank
-    plan = plan_rail(topk_ids_TK, placement, groups, backend)
+    layer = plan_layer(topk_ids_TK, placement, groups, backend, capacity, reduce_capacity)
+    plan = layer.rail
 
-    # Step 3: inter-node stage (rail).
+    # Step 3: inter-node stage (rail): pair rows and their routes in one message.
     send_x, send_routes = rail_payload(x_TD, weights_TK, plan, backend)
-    recv_x = all_to_all_rows(send_x, plan.rail_send, plan.rail_recv, groups.rail_group)
-    recv_routes = all_to_all_rows(send_routes, plan.route_send, plan.route_recv, groups.rail_group)
+    recv_x, recv_routes = all_to_all_row_pair(send_x, send_routes, (plan.rail_send, plan.route_send),
+                                              (plan.rail_recv, plan.route_recv), groups.rail_group)
 
     # Step 4: relay routes = own tokens' routes on this node + routes received on the rail.
     relay = relay_routes(plan, weights_TK, recv_routes, plan.num_tokens, groups, S)
 
-    # Step 5: intra-node stage; per-(local rank, slot) counts give the expert ranks their slot sizes.
-    send_GS, recv_GS = node_counts(relay, groups, S)
+    # Step 5: intra-node stage; the counts exchanged in `plan_layer` give every split size.
+    send_GS, recv_GS = layer.send_GS, layer.recv_GS
     node_send = tuple(sum(row) for row in send_GS)
     node_recv = tuple(sum(row) for row in recv_GS)
     slot_counts = tuple(sum(col) for col in zip(*recv_GS))
@@ -210,11 +293,11 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
                               groups.node_group)
     # Rows arrive grouped by source, sorted by slot inside each: their slots follow from the counts.
     slot_Q = torch.repeat_interleave(torch.arange(S, device=x_TD.device).repeat(len(recv_GS)),
-                                     torch.tensor(recv_GS, device=x_TD.device).reshape(-1))
+                                     torch.tensor(recv_GS, device=x_TD.device).reshape(-1), output_size=sum(node_recv))
 
+    counts = plan_counts(plan, node_send, node_recv, layer.capacity)
     handle = DispatchHandle(plan.num_tokens, plan.pair_token_P, plan.rail_send, plan.rail_recv, relay,
-                            node_send, node_recv, slot_Q, slot_counts, plan_counts(plan, node_send, node_recv),
-                            backend)
+                            node_send, node_recv, slot_Q, slot_counts, counts, backend)
     return rows_QD, handle
 
 

@@ -29,11 +29,13 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..kernels import resolve_backend
 from ..planner.layout import contiguous_layout
+from .dense import dense_moe, expert_locations, group_capacity
 from .dispatch import deepspeed_remote_routes
-from .moe_exchange import OverlapSettings, moe_exchange, slot_experts
+from .moe_exchange import OverlapSettings, bind, moe_exchange, slot_experts
 from .placement import LayerPlacement, build_placement
 from .replicas import ReplicaPlan, plan_replicas
 from .stats import DeviceRoutingStats
@@ -44,7 +46,7 @@ from .traffic import StepTraffic, TrafficCounters
 # A piece of an expert's training state: a whole parameter (`row=None`) or one row of a fused tensor.
 Piece = tuple[torch.nn.Parameter, "int | None"]
 
-HIERARCHICAL, DIRECT = "hierarchical", "direct"
+HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
 
 # A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
 _log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
@@ -62,11 +64,13 @@ class _Phased:
 @dataclass(frozen=True)
 class ExpertBinding:
     """How this rank's experts compute: `module` applied with `names` bound to the tensors of one owner slot
-    (`owner_tensors[s]`), or to a replica's fetched weights."""
+    (`owner_tensors[s]`), or to a replica's fetched weights. `owner_modules[s]`, when given, is a module whose own
+    parameters are `owner_tensors[s]` (one module per expert): called as it is, which costs less."""
 
     module: torch.nn.Module
     names: tuple[str, ...]
     owner_tensors: Sequence[tuple[torch.Tensor, ...]]
+    owner_modules: Sequence[torch.nn.Module] | None = None
 
 
 class _Settings(Protocol):
@@ -112,6 +116,7 @@ class LayerCore:
         self._placement: LayerPlacement | None = None
         self._flat_placement: LayerPlacement | None = None
         self._chooser: StepTimedChoice | None = None
+        self._dense_capacities: set[int] = set()  # fixed capacities all ranks confirmed for `dense`
         self._replica_plan: ReplicaPlan | None = None
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
@@ -182,14 +187,18 @@ class LayerCore:
         self._replica_plan = plan_replicas(self._placement, topo.rank)
         self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
 
-    def _schedule_candidates(self) -> list[str]:
+    def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:
         wanted = self.settings.transport.schedule
         if wanted != "auto":
-            return [wanted]
+            return [HIERARCHICAL if wanted in without else wanted]
         topo = self.topology
-        if self.settings.overlap.enabled or topo.nodes == 1 or topo.ranks_per_node == 1:
-            return [HIERARCHICAL]  # overlap is hierarchical; on one node or one rank per node the rail is it
-        return [HIERARCHICAL, DIRECT]
+        if self.settings.overlap.enabled or topo.world_size == 1:
+            candidates = [HIERARCHICAL]  # the overlapped schedule is hierarchical
+        elif topo.nodes == 1 or topo.ranks_per_node == 1:
+            candidates = [HIERARCHICAL, DENSE]  # one stage: direct is hierarchical
+        else:
+            candidates = [HIERARCHICAL, DIRECT, DENSE]
+        return [c for c in candidates if c not in without]
 
     @property
     def schedule(self) -> str | None:
@@ -221,34 +230,80 @@ class LayerCore:
 
     # ----- forward ---------------------------------------------------------------------------------
     def run(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertBinding,
-            deepspeed_capacity: int = 0) -> torch.Tensor:
+            deepspeed_capacity: torch.Tensor | int = 0, capacity_is_local: bool = False,
+            locations_TK: torch.Tensor | None = None) -> torch.Tensor:
         """`[T, D]` weighted expert outputs for the router's `topk_ids_TK` (int, -1 = dropped) and
-        `weights_TK`. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none), for the counters."""
-        topo, chooser = self.topology, self._chooser
-        decided = chooser.chosen is not None
-        schedule = chooser.pick(x_TD.device, self.groups)
-        if not decided and chooser.chosen is not None and topo.rank == 0:
-            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s)", chooser.chosen,
-                      {c: round(t, 5) for c, t in chooser.medians.items()})
-        direct = schedule == DIRECT
-        groups = self._flat_groups if direct else self.groups
-        placement = self._flat_placement if direct else self.placement
+        `weights_TK`. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none); `capacity_is_local`:
+        it is this rank's value, DeepSpeed's is the largest over the EP group (the count exchange finds it,
+        instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
+        gate gives them; computed here otherwise), for the `dense` schedule."""
+        topo = self.topology
+        schedule = self._pick_schedule(x_TD.device)
+        if schedule == DENSE:
+            if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
+                locations_TK, deepspeed_capacity = expert_locations(topk_ids_TK, self.num_experts)
+                capacity_is_local = True
+            capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
+            if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
+                self._chooser = StepTimedChoice(self._schedule_candidates(without=(DENSE,)))
+                schedule = self._pick_schedule(x_TD.device)
+        flat = schedule in (DIRECT, DENSE)
+        groups = self._flat_groups if flat else self.groups
+        placement = self._flat_placement if flat else self.placement
         self.stats.update(topk_ids_TK)
         if self.trace_rows is not None:
             self.trace_rows.append(topk_ids_TK.detach().cpu())
-        slots, anchor = slot_experts(experts.module, experts.names, experts.owner_tensors, placement,
-                                     self._replica_plan, groups)
-        out_TD, counts = moe_exchange(x_TD, topk_ids_TK, weights_TK, placement, groups, slots,
-                                      overlap=_Phased() if direct else self.settings.overlap, tuner=self.tuner,
-                                      backend=self.backend(x_TD.device))
+        anchor = None
+        if schedule == DENSE:
+            slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement, None, groups,
+                                    experts.owner_modules)
+            out_TD, counts = dense_moe(x_TD, topk_ids_TK, locations_TK, weights_TK, placement, groups,
+                                       [None if slot is None else bind(slot) for slot in slots], capacity,
+                                       self.backend(x_TD.device))
+        else:
+            slots, anchor = slot_experts(experts.module, experts.names, experts.owner_tensors, placement,
+                                         self._replica_plan, groups, experts.owner_modules)
+            out_TD, counts = moe_exchange(x_TD, topk_ids_TK, weights_TK, placement, groups, slots,
+                                          overlap=_Phased() if flat else self.settings.overlap, tuner=self.tuner,
+                                          backend=self.backend(x_TD.device),
+                                          capacity=(deepspeed_capacity, capacity_is_local))
         if anchor is not None:
             out_TD = out_TD + anchor
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         G = topo.ranks_per_node
-        rail_nodes = [p // G for p in range(topo.world_size)] if direct else list(range(topo.nodes))
+        rail_nodes = [p // G for p in range(topo.world_size)] if flat else list(range(topo.nodes))
         self.traffic.add(StepTraffic.measure(
             counts, row_bytes=row_bytes, topology=topo, experts_per_rank=placement.owner_slots_per_rank,
-            deepspeed_capacity=deepspeed_capacity, rail_peer_node=rail_nodes,
-            rail_self=topo.rank if direct else topo.node, node_self=0 if direct else topo.local_rank))
+            rail_peer_node=rail_nodes, rail_self=topo.rank if flat else topo.node,
+            node_self=0 if flat else topo.local_rank))
         self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, topo), row_bytes)
         return out_TD
+
+    def _pick_schedule(self, device: torch.device) -> str:
+        chooser = self._chooser
+        decided = chooser.chosen is not None
+        schedule = chooser.pick(device, self.groups)
+        if not decided and chooser.chosen is not None and self.topology.rank == 0:
+            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s)", chooser.chosen,
+                      {c: round(t, 5) for c, t in chooser.medians.items()})
+        return schedule
+
+    def _dense_group_capacity(self, capacity: torch.Tensor | int, is_local: bool, device: torch.device) -> int | None:
+        """C for the dense schedule. A dropless capacity is reduced over the group every forward; a fixed one
+        (`drop_tokens=True`) must be the same on every rank, as DeepSpeed's layer needs: each new value is
+        checked by one all-reduce (ranks see new values together: train/eval capacity factors), None = the
+        ranks differ."""
+        if is_local:
+            return group_capacity(capacity, True, self.groups, device)
+        value = int(torch.as_tensor(capacity).item())  # NOTE: host sync (buffer sizes)
+        if value not in self._dense_capacities:
+            both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+            if self.groups.ep_group is not None:
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.groups.ep_group)
+            high, low = both.tolist()  # NOTE: host sync, once per capacity value
+            if high != -low:
+                _log.warning("ds_cobalt transport: ranks hold different capacities (%d..%d); the dense schedule "
+                             "needs one, it is left out for this layout", -low, high)
+                return None
+            self._dense_capacities.add(value)
+        return value

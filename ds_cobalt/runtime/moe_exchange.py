@@ -30,12 +30,15 @@ _log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
 
 
 def slot_experts(module: torch.nn.Module, names: tuple[str, ...], owner_tensors: Sequence[tuple[torch.Tensor, ...]],
-                 placement: LayerPlacement, replica_plan: ReplicaPlan | None,
-                 groups: EPGroups) -> tuple[list[SlotExpert | None], torch.Tensor | None]:
-    """The expert of each slot: `module` applied with `names` bound to the owner tensors of each owner slot,
-    then to fetched replica weights. The anchor (or None) must be added to the layer output so replica
-    gradients flow back to their owners."""
-    slots: list[SlotExpert | None] = [SlotExpert(module, names, tuple(t)) for t in owner_tensors]
+                 placement: LayerPlacement, replica_plan: ReplicaPlan | None, groups: EPGroups,
+                 owner_modules: Sequence[torch.nn.Module] | None = None,
+                 ) -> tuple[list[SlotExpert | None], torch.Tensor | None]:
+    """The expert of each slot: `module` applied with `names` bound to the owner tensors of each owner slot
+    (or `owner_modules[s]` itself, whose parameters they are), then to fetched replica weights. The anchor (or
+    None) must be added to the layer output so replica gradients flow back to their owners."""
+    slots: list[SlotExpert | None] = [
+        SlotExpert(module, names, tuple(t), None if owner_modules is None else owner_modules[i])
+        for i, t in enumerate(owner_tensors)]
     if replica_plan is None or placement.slots_per_rank == len(owner_tensors):
         return slots, None
     fetched, anchor = fetch_replicas([list(t) for t in owner_tensors], replica_plan, groups)
@@ -46,6 +49,8 @@ def slot_experts(module: torch.nn.Module, names: tuple[str, ...], owner_tensors:
 
 
 def bind(slot: SlotExpert) -> Callable[[torch.Tensor], torch.Tensor]:
+    if slot.own_module is not None:
+        return slot.own_module  # its own parameters: no functional_call (which swaps every tensor per call)
     tensors = dict(zip(slot.names, slot.tensors))
     return lambda rows: functional_call(slot.module, tensors, (rows,))
 
@@ -60,11 +65,12 @@ class OverlapSettings(Protocol):
 
 def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                  placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None], *,
-                 overlap: OverlapSettings, tuner: OverlapTuner,
-                 backend: str) -> tuple[torch.Tensor, ExchangeCounts]:
+                 overlap: OverlapSettings, tuner: OverlapTuner, backend: str,
+                 capacity: tuple[torch.Tensor | int, bool] = (0, False)) -> tuple[torch.Tensor, ExchangeCounts]:
     """`[T, D]` combined expert outputs (router weights applied) and the exchange's split sizes.
 
-    `"auto"` overlap settings let `tuner` pick them from a few timed forwards."""
+    `"auto"` overlap settings let `tuner` pick them from a few timed forwards. `capacity`: DeepSpeed's
+    capacity for the counters and whether it is this rank's value (the largest over the group is wanted)."""
     choice = None
     if overlap.enabled:
         choice = tuner.settings(x_TD.shape[1] * x_TD.element_size(), overlap.tile_rows, overlap.rail_chunks,
@@ -73,9 +79,9 @@ def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torc
     started = timed.start(x_TD.device) if timed is not None else None
     if choice is not None and choice.overlap:
         out_TD, counts = overlapped_moe(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, choice.tile_rows,
-                                        backend, choice.rail_chunks)
+                                        backend, choice.rail_chunks, capacity)
     else:
-        out_TD, counts = _phased(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, backend)
+        out_TD, counts = _phased(x_TD, topk_ids_TK, weights_TK, placement, groups, slots, backend, capacity)
     if timed is not None:
         timed.record(started, x_TD.device, groups)
         if timed.chosen is not None and groups.topology.rank == 0:
@@ -85,9 +91,9 @@ def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torc
 
 
 def _phased(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, placement: LayerPlacement,
-            groups: EPGroups, slots: Sequence[SlotExpert | None],
-            backend: str) -> tuple[torch.Tensor, ExchangeCounts]:
-    rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups, backend=backend)
+            groups: EPGroups, slots: Sequence[SlotExpert | None], backend: str,
+            capacity: tuple[torch.Tensor | int, bool]) -> tuple[torch.Tensor, ExchangeCounts]:
+    rows_QD, handle = dispatch(x_TD, topk_ids_TK, weights_TK, placement, groups, backend, *capacity)
     out_QD = run_experts(rows_QD, handle.expert_slot_Q, handle.slot_counts,
                          [None if slot is None else bind(slot) for slot in slots])
     return combine(out_QD, handle, groups), handle.counts

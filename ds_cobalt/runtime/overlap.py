@@ -21,7 +21,7 @@ trip, `_GradReady`, placed earlier in the forward, collects it). Results equal `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -55,6 +55,7 @@ class SlotExpert:
     module: torch.nn.Module
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
+    own_module: torch.nn.Module | None = None  # a module whose own parameters are `tensors` (called directly)
 
 
 @dataclass(frozen=True)
@@ -347,9 +348,10 @@ def _start_chunk(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan, s
 def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    placement: LayerPlacement, groups: EPGroups, slots: Sequence[SlotExpert | None],
                    tile_rows: int, backend: str = "torch",
-                   rail_chunks: int = 2) -> tuple[torch.Tensor, ExchangeCounts]:
+                   rail_chunks: int = 2,
+                   capacity: tuple[torch.Tensor | int, bool] = (0, False)) -> tuple[torch.Tensor, ExchangeCounts]:
     """The whole MoE exchange with overlap; `[T, D]` combined outputs and the exchange's split sizes (module
-    docstring)."""
+    docstring). `capacity`: DeepSpeed's capacity for the counters, and whether it is this rank's value."""
     S = placement.slots_per_rank
     T = x_TD.shape[0]
     C = max(1, int(rail_chunks))
@@ -400,4 +402,12 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     node = (tuple(sum(node_send[g::G]) for g in range(G)), tuple(sum(node_recv[g::G]) for g in range(G)))
     zero = ((0,) * G, (0,) * G)
     parts = [plan_counts(plan, *(node if i == 0 else zero)) for i, plan in enumerate(plans)]
-    return out_TD, ExchangeCounts.total(parts)
+    return out_TD, replace(ExchangeCounts.total(parts), deepspeed_capacity=_capacity(capacity, groups, x_TD.device))
+
+
+def _capacity(capacity: tuple[torch.Tensor | int, bool], groups: EPGroups, device: torch.device) -> int:
+    value, is_local = capacity
+    value = torch.as_tensor(value, dtype=torch.int64, device=device).reshape(1).clone()
+    if is_local and groups.ep_group is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=groups.ep_group)  # the gate's, moved here
+    return int(value.item())  # NOTE: host sync (the overlapped schedule's counters)

@@ -25,6 +25,7 @@ class LayerPlacement:
     replica_count_EN: torch.Tensor  # [E, N] int64: copies of expert e on node n
     replica_rank_ENM: torch.Tensor  # [E, N, M] int64 EP rank of the m-th copy on node n, -1 = none
     replica_slot_ENM: torch.Tensor  # [E, N, M] int64 slot of that copy, -1 = none
+    owner_block_E: torch.Tensor  # [E] int64 owner rank * (E / W) + owner slot (the dense schedule's block)
 
     @property
     def world_size(self) -> int:
@@ -73,9 +74,11 @@ def build_placement(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int,
         rank_ENM[e, n, fill[e, n]] = r
         slot_ENM[e, n, fill[e, n]] = s
         fill[e, n] += 1
+    block_E = np.empty(num_experts, dtype=np.int64)
+    block_E[slots_WS[:, :per_rank].reshape(-1)] = np.arange(W * per_rank)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     return LayerPlacement(slots_WS, ranks_per_node, num_experts, as_tensor(count_EN > 0), as_tensor(count_EN),
-                          as_tensor(rank_ENM), as_tensor(slot_ENM))
+                          as_tensor(rank_ENM), as_tensor(slot_ENM), as_tensor(block_E))
 
 
 def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,

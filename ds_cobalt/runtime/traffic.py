@@ -33,6 +33,7 @@ class ExchangeCounts:
     route_send: tuple[int, ...]  # remote routes' metadata rows sent to each rail peer
     node_send: tuple[int, ...]  # rows sent to each local rank (this one included)
     node_recv: tuple[int, ...]  # rows received from each local rank
+    deepspeed_capacity: int = 0  # C of DeepSpeed's padded E x C buffers for this forward (0 = none)
 
     @staticmethod
     def total(parts: Sequence["ExchangeCounts"]) -> "ExchangeCounts":
@@ -42,7 +43,8 @@ class ExchangeCounts:
 
         return ExchangeCounts(tokens=sum(p.tokens for p in parts), rail_send=add("rail_send"),
                               rail_recv=add("rail_recv"), route_send=add("route_send"), node_send=add("node_send"),
-                              node_recv=add("node_recv"))
+                              node_recv=add("node_recv"),
+                              deepspeed_capacity=max((p.deepspeed_capacity for p in parts), default=0))
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class StepTraffic:
 
     @classmethod
     def measure(cls, counts: ExchangeCounts, *, row_bytes: int, topology, experts_per_rank: int,
-                deepspeed_capacity: int, rail_peer_node: Sequence[int], rail_self: int | None,
+                rail_peer_node: Sequence[int], rail_self: int | None,
                 node_self: int) -> "StepTraffic":
         """`rail_peer_node[p]`: the node of rail peer p; `rail_self`: this rank among the rail peers (None when
         it is not one: the hierarchical rail holds one rank per node); `node_self`: this rank in the node stage."""
@@ -74,7 +76,7 @@ class StepTraffic:
         node_out = sum(node_send) - node_send[node_self]
         intra_rows += node_out + sum(node_recv) - node_recv[node_self]
         remote_ranks = topology.world_size - topology.ranks_per_node
-        ds_padded_rows = 2 * remote_ranks * experts_per_rank * deepspeed_capacity
+        ds_padded_rows = 2 * remote_ranks * experts_per_rank * counts.deepspeed_capacity
         return cls(
             inter_node_rows=inter_rows,
             inter_node_bytes=inter_rows * row_bytes + inter_meta * META_BYTES_PER_ROUTE,

@@ -11,6 +11,7 @@ Hardware JSON (`ds-cobalt/hardware-v1`, `ds-cobalt simulate --hardware-json FILE
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -94,7 +95,9 @@ class ModelShape:
 
 
 def parse_rate(rate: str) -> float:
-    """tc rate (`100mbit`, `1gbit`, `10gbit`, `500kbit`, `1gbps`) -> bytes/s."""
+    """tc rate (`100mbit`, `1gbit`, `10gbit`, `500kbit`, `1gbps`) -> bytes/s; `loopback` (no limit) -> inf."""
+    if rate.strip().lower() == "loopback":
+        return math.inf
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)\s*", rate.lower())
     if not m:
         raise ValueError(f"rate {rate!r}: expected a tc rate such as 100mbit, 1gbit or 10gbit")

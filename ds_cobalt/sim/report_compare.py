@@ -47,7 +47,7 @@ def load_runs(runs_dir: str | Path) -> dict[str, dict[str, dict]]:
     for d in sorted(Path(runs_dir).iterdir()):
         if not (d / "metrics.json").is_file() or "-" not in d.name:
             continue
-        rate, impl = d.name.rsplit("-", 1)
+        rate, impl = d.name.split("-", 1)  # rates have no "-"; variants may (cobalt-placement-overlap)
         links = json.loads((d / "links.json").read_text()) if (d / "links.json").is_file() else None
         runs.setdefault(rate, {})[impl] = {
             "metrics": json.loads((d / "metrics.json").read_text()),

@@ -178,19 +178,20 @@ def raw_state(engine) -> dict[str, np.ndarray]:
 
 
 # -------------------------------------------------------------------------------------- rank bodies
-def _identical_training(rank: int, world: int, stage: int, steps: int) -> dict:
+def _identical_training(rank: int, world: int, stage: int, steps: int, schedule: str = "hierarchical") -> dict:
     import torch.distributed as dist
 
     from ds_cobalt.integrations.engine import cobalt_layers
 
     runs = {}
+    transport = {"transport": {"schedule": schedule}}
     engine = build_engine("deepspeed", stage)
     runs["deepspeed"] = train(engine, range(steps))
     engine.destroy()
-    engine = build_engine("cobalt", stage)
+    engine = build_engine("cobalt", stage, cobalt=transport)
     runs["cobalt"] = train(engine, range(steps))
     engine.destroy()
-    engine = build_engine("cobalt", stage)
+    engine = build_engine("cobalt", stage, cobalt=transport)
     # ZeRO 1 migrates synchronously, ZeRO 0 and 2 asynchronously (behind the next forward)
     runs["migrating"] = train(engine, range(steps), before_step=migrate_randomly(seed=stage, asynchronous=stage != 1))
     layouts = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
@@ -200,10 +201,12 @@ def _identical_training(rank: int, world: int, stage: int, steps: int) -> dict:
             "bytes": sum(r.bytes_moved for r in migrations)}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_training_identical_with_random_migrations(run_ranks: Any, stage: int) -> None:
+@pytest.mark.parametrize("stage,schedule", [(0, "hierarchical"), (1, "hierarchical"), (2, "hierarchical"),
+                                            (2, "dense")])
+def test_training_identical_with_random_migrations(run_ranks: Any, stage: int, schedule: str) -> None:
+    """Dense: DeepSpeed's padded exchange on the migrated (non-contiguous) owner layouts."""
     steps = 60
-    res = run_ranks(_identical_training, 4, stage, steps, ranks_per_node=2, timeout=240)
+    res = run_ranks(_identical_training, 4, stage, steps, schedule, ranks_per_node=2, timeout=240)
     for r in res:
         np.testing.assert_allclose(r["cobalt"], r["deepspeed"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["migrating"], r["cobalt"], rtol=1e-5, atol=1e-6)

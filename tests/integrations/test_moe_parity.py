@@ -69,6 +69,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
 
 
 DIRECT = {"schedule": "direct"}
+DENSE = {"schedule": "dense"}
 CASES = {
     "k1_dropless_uneven": dict(E=8, k=1, drop=False, tokens=[12, 7, 20, 5]),
     "k2_dropless_uneven": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5]),
@@ -108,6 +109,17 @@ CASES = {
     "direct_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1], transport=DIRECT),
     "direct_bf16_k2": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16", transport=DIRECT),
     "direct_one_node_of_4": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=4, transport=DIRECT),
+    # dense: DeepSpeed's padded exchange (the gate's locations, one even all-to-all each way)
+    "dense_k2_dropless_uneven": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], transport=DENSE),
+    "dense_k1_dropless_uneven": dict(E=8, k=1, drop=False, tokens=[12, 7, 20, 5], transport=DENSE),
+    "dense_k2_capacity": dict(E=8, k=2, drop=True, tokens=[24, 24, 24, 24], cf=0.75, transport=DENSE),
+    "dense_k1_capacity": dict(E=8, k=1, drop=True, tokens=[16, 16, 16, 16], transport=DENSE),
+    "dense_k2_empty_rank": dict(E=8, k=2, drop=False, tokens=[12, 0, 20, 5], transport=DENSE),
+    "dense_replicas_unused": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
+                                  transport=DENSE),
+    "dense_bf16_k2": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], dtype="bfloat16", transport=DENSE),
+    "dense_one_node_of_4": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=4, transport=DENSE),
+    "dense_expert_per_rank": dict(E=4, k=2, drop=True, tokens=[16, 16, 16, 16], transport=DENSE),
     "overlap_replicas": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
                              overlap={"enabled": True, "tile_rows": 2}),
 }
@@ -192,8 +204,8 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
 
 
 def test_schedule_in_use(parity_results) -> None:
-    assert all(r["schedule"] == "direct" for name in CASES if name.startswith("direct")
-               for r in parity_results[name])
+    for prefix in ("direct", "dense"):
+        assert all(r["schedule"] == prefix for name in CASES if name.startswith(prefix) for r in parity_results[name])
     assert all(r["schedule"] == "hierarchical" for r in parity_results["k2_dropless_uneven"])  # the default
     # `auto` is still timing after one forward (its first trial runs the hierarchical schedule)
     assert all(r["schedule"] is None for r in parity_results["auto_first_forward"])
@@ -222,3 +234,12 @@ def test_direct_traffic_counts_each_token_once_per_rank(parity_results, name: st
         assert got["inter_node_rows"] == inter[rank]
         assert got["intra_node_rows"] == intra[rank]
         assert got["deepspeed_inter_node_bytes_dropless"] == 2 * remote_routes[rank] * D * 4
+
+
+@pytest.mark.parametrize("name", ["dense_k2_capacity", "dense_k2_dropless_uneven", "dense_k1_capacity"])
+def test_dense_traffic_is_deepspeeds_padded_buffers(parity_results, name: str) -> None:
+    """Dense schedule: E/W x C rows to every other rank and back, C from DeepSpeed's gate (the group's largest)."""
+    for res in parity_results[name]:
+        got = res["traffic"]
+        assert got["deepspeed_inter_node_bytes_padded"] > 0
+        assert got["inter_node_bytes"] == got["deepspeed_inter_node_bytes_padded"]

@@ -70,6 +70,16 @@ def test_dedup_pairs_ref_matches_naive(T, K, N, src, drop, dtype):
     assert index.shape == (T, K) and rail.shape == (N,) and int(rail.sum()) == pair_token.numel()
 
 
+@pytest.mark.parametrize("T,K,N,src,drop", DEDUP_CASES)
+def test_dedup_pairs_padded_holds_the_pairs_first(T, K, N, src, drop):
+    dest = _dest(T, K, N, drop, seed=T * 7 + N)
+    pair_token, rail, index = ref.dedup_pairs(dest, src, N)
+    padded, rail_p, index_p = ref.dedup_pairs(dest, src, N, padded=True)
+    assert padded.numel() == T * min(K, max(N - 1, 0))  # the bound, whatever the data
+    assert torch.equal(padded[: pair_token.numel()], pair_token)
+    assert torch.equal(rail_p, rail) and torch.equal(index_p, index)
+
+
 @pytest.mark.parametrize("T,P,D", ROW_CASES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_gather_rows_ref_matches_naive(T, P, D, index_dtype):
@@ -323,6 +333,8 @@ def test_gpu_dedup_pairs_matches_ref(T, K, N, src, drop, dtype):
     for g, w, name in zip(got, want, ("pair_token_P", "rail_send_N", "pair_index_TK")):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), name
+    padded = dedup_pairs(dest, src, N, padded=True, backend="cupy")[0]
+    assert padded.numel() == T * min(K, max(N - 1, 0)) and torch.equal(padded[: want[0].numel()], want[0])
 
 
 @pytest.mark.gpu
