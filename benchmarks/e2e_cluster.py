@@ -88,8 +88,6 @@ def variant_config(base: dict, variant: str, rate: str) -> dict:
     cobalt = config.setdefault("cobalt", {})
     for key, value in VARIANTS[variant]["cobalt"].items():
         cobalt[key] = {**cobalt.get(key, {}), **value}
-    if variant.startswith("cobalt-placement"):  # the migration cost model prices moves at this run's link speed
-        cobalt["migration"] = {**cobalt.get("migration", {}), "inter_node_gbps": rate_gbps(rate)}
     return config
 
 

@@ -5,7 +5,9 @@ with `--script benchmarks/overlap_layer.py` for a bandwidth-limited inter-node l
 
     deepspeed --num_gpus 4 benchmarks/overlap_layer.py --ranks-per-node 2
 
-Prints, from rank 0, median times over `--iters` iterations measured back to back in one run, and ratios:
+Prints, from rank 0, median times over `--iters` iterations measured back to back in one run (DeepSpeed's layer,
+ds_cobalt's hierarchical schedule with and without overlap, direct, dense), collectives and host syncs per layer
+forward / backward for each, and ratios:
 overlap on vs off, vs DeepSpeed's layer, and vs the lower bound max(communication, compute), where
 communication is the same exchange with identity experts and compute is the experts alone on the rows
 this rank serves (both measured in the same run, slowest rank). The phased communication time includes
@@ -28,6 +30,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
 import ds_cobalt
 from ds_cobalt.config import parse_cobalt_config
+from ds_cobalt.runtime.call_counts import count_collectives, count_host_syncs
 from ds_cobalt.runtime.dispatch import combine, dispatch
 
 
@@ -70,6 +73,17 @@ def timed(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def call_counts(layer, x: torch.Tensor) -> dict:
+    """Collectives and host syncs of one forward and one backward (`ds_cobalt.runtime.call_counts`)."""
+    inp = x.clone().requires_grad_(True)
+    with count_collectives() as fwd, count_host_syncs() as fwd_syncs:
+        out, l_aux, _ = layer(inp)
+    with count_collectives() as bwd, count_host_syncs() as bwd_syncs:
+        (out.square().mean() + l_aux).backward()
+    return {"collectives": [sum(fwd.values()), sum(bwd.values())],
+            "syncs": [sum(fwd_syncs.values()), sum(bwd_syncs.values())]}
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -80,10 +94,12 @@ def main() -> None:
     expert = torch.nn.Sequential(torch.nn.Linear(D, args.ffn), torch.nn.GELU(), torch.nn.Linear(args.ffn, D))
     kw = dict(ep_size=world, k=args.top_k, drop_tokens=False, min_capacity=0)
     layers = {"deepspeed": DeepSpeedMoE(D, expert, E, **kw)}
-    for name, overlap in (("cobalt", False), ("cobalt_overlap", True)):
+    for name, overlap, schedule in (("cobalt", False, "hierarchical"), ("cobalt_overlap", True, "hierarchical"),
+                                    ("cobalt_direct", False, "direct"), ("cobalt_dense", False, "dense")):
         cfg = parse_cobalt_config({"topology": {"ranks_per_node": args.ranks_per_node},
                                    "overlap": {"enabled": overlap, "tile_rows": args.tile_rows,
-                                               "rail_chunks": args.rail_chunks}})
+                                               "rail_chunks": args.rail_chunks},
+                                   "transport": {"schedule": schedule}})
         layers[name] = ds_cobalt.MoE(D, expert, E, cobalt_config=cfg, **kw)
         layers[name].load_state_dict(layers["deepspeed"].state_dict())
     for layer in layers.values():
@@ -96,6 +112,7 @@ def main() -> None:
         (out.square().mean() + l_aux).backward()
 
     results = {name: timed(lambda layer=layer: step(layer), args.iters, args.warmup) for name, layer in layers.items()}
+    calls = {name: call_counts(layer, x) for name, layer in layers.items()}
 
     # Lower bound parts, with the same routing as the cobalt layer.
     cobalt = layers["cobalt"]
@@ -144,9 +161,14 @@ def main() -> None:
             print(f"  {name:>16}: {seconds * 1e3:8.2f} ms")
         for name, value in ratios.items():
             print(f"  {name:>28}: {value:.3f}")
+        print(f"  {'per layer':>16}  collectives fwd/bwd   host syncs fwd/bwd")
+        for name, c in calls.items():
+            (cf, cb), (sf, sb) = c["collectives"], c["syncs"]
+            print(f"  {name:>16}: {cf:>6} / {cb:<10}{sf:>6} / {sb}")
         if args.json_out:
             with open(args.json_out, "w") as f:
-                json.dump({"seconds": results, "ratios": ratios, "args": vars(args)}, f, indent=2)
+                json.dump({"seconds": results, "ratios": ratios, "calls_per_layer": calls, "args": vars(args)}, f,
+                          indent=2)
     dist.destroy_process_group()
 
 

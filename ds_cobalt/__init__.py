@@ -15,6 +15,7 @@ _LAZY = {
     "MoE": "ds_cobalt.integrations.deepspeed_moe",
     "initialize": "ds_cobalt.integrations.engine",
     "traffic_summary": "ds_cobalt.integrations.layers",
+    "schedule_summary": "ds_cobalt.integrations.layers",
     "cobalt_layers": "ds_cobalt.integrations.layers",
     "CobaltEngine": "ds_cobalt.integrations.cobalt_engine",
     "CobaltConfig": "ds_cobalt.config",

@@ -75,15 +75,15 @@ class PlannerConfig(_Section):
 
 class MigrationConfig(_Section):
     """Moving expert owners. A plan that moves owners is applied only when the modelled saving over the next
-    interval beats `margin` x the modelled migration time over a link of `inter_node_gbps` gigabit/s
-    (`ignore_cost_model`: always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
+    interval beats `margin` x the modelled migration time over a link of `inter_node_gbps` gigabit/s (default:
+    measured at start-up by a short probe of the process groups, runtime/link_probe.py) (`ignore_cost_model`: always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
     DeepSpeed's contiguous expert order (migrate there around the save, and back); `checkpoint_portable_state`:
     also write every parameter's full training state beside it, so `load_checkpoint(..., load_module_only=True)`
     at another world size restores the optimizer state (integrations/portable.py). `asynchronous`: transfers
     start right after the step and run behind the next forward; each layer waits for its own experts in a
     forward pre-hook (false: the whole migration completes inside the step hook)."""
 
-    inter_node_gbps: float = Field(default=50.0, gt=0)
+    inter_node_gbps: float | None = Field(default=None, gt=0)
     margin: float = Field(default=1.5, ge=0)
     ignore_cost_model: bool = False
     checkpoint_logical_order: bool = True

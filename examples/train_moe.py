@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
     p.add_argument("--corpus-bytes", type=int, default=8 << 20)
     p.add_argument("--log-every", type=int, default=10, help="log lines when stderr is not a terminal")
+    p.add_argument("--profile-out", type=str, default=None,
+                   help="cProfile the training loop of rank 0 into this pstats file (where the CPU time goes)")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config is None:
@@ -192,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         # a pseudo-terminal may report a 0 x 0 size, which makes tqdm print nothing
         cols, rows = shutil.get_terminal_size((100, 20))
         bar = tqdm(total=args.steps, desc=f"train ({args.moe_impl})", unit="step", ncols=cols, nrows=rows)
+    profiler = None
+    if args.profile_out and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
@@ -225,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile_out)
     # first step includes lazy init (optimizer state, comm buffers): leave it out of the rate when possible
     timed = step_times[1:] or step_times
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)

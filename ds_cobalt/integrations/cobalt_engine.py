@@ -5,7 +5,8 @@ then makes that object a `CobaltEngine` in place (a class change, as AutoEP laye
 same state), so `isinstance(engine, DeepSpeedEngine)` still holds. A subclass of DeepSpeed's engine (e.g.
 `PipelineEngine`) gets a matching subclass. What it adds:
 - `step`: commits any pending asynchronous migration first; after an optimizer step (at gradient-accumulation
-  boundaries) runs the configured step hooks: traffic logging, traces, the replanner;
+  boundaries) runs the configured step hooks: traffic logging, traces, the replanner, DeepSpeed's monitor
+  (TensorBoard / CSV / W&B: schedule decisions, traffic counters every `traffic.log_interval` steps);
 - `save_checkpoint` / `load_checkpoint`: logical expert order and portable state (`checkpoint.py`), as
   configured under `cobalt.migration`; a pending migration is committed before a save.
 """
@@ -20,7 +21,7 @@ from deepspeed.utils import logger
 
 from ..config import CobaltConfig
 from . import checkpoint
-from .layers import traffic_summary
+from .layers import SCHEDULES, layer_cores, traffic_summary
 from .migration import flush_pending
 from .replan import Replanner
 from .trace import save_trace, start_trace, stop_trace
@@ -69,6 +70,8 @@ class CobaltEngine(DeepSpeedEngine):
             hooks.append(_trace_hook(self, cobalt))
         if cobalt.planner.replan_interval:
             hooks.append(Replanner(self, cobalt))
+        if getattr(getattr(self, "monitor", None), "enabled", False):
+            hooks.append(MonitorHook(cobalt.traffic.log_interval))
         return hooks
 
     # ----- checkpoints ------------------------------------------------------------------------------
@@ -126,3 +129,30 @@ def _log_traffic(engine: CobaltEngine, interval: int) -> None:
     ratio = totals["inter_node_bytes"] / max(1, totals[f"deepspeed_inter_node_bytes_{kind}"])
     logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
                 f"({ratio:.3f}x DeepSpeed's {kind} all-to-all), intra-node {totals['intra_node_bytes']} B")
+
+
+class MonitorHook:
+    """Writes to DeepSpeed's monitor (rank 0): each layer's transport schedule when it is decided
+    (`ds_cobalt/schedule/layer<i>`: index in `SCHEDULES`, and the candidates' median step seconds), and the
+    traffic counters every `interval` steps (`ds_cobalt/traffic/<counter>`, cumulative, this rank)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.seen: dict[int, str | None] = {}
+
+    def __call__(self, engine: CobaltEngine) -> None:
+        if engine.global_rank != 0:
+            return
+        step = engine.global_steps
+        events = []
+        for i, core in enumerate(layer_cores(engine)):
+            if core.schedule is not None and self.seen.get(i) != core.schedule:
+                events.append((f"ds_cobalt/schedule/layer{i}", float(SCHEDULES.index(core.schedule)), step))
+                events += [(f"ds_cobalt/schedule/layer{i}/{name}_s", float(t), step)
+                           for name, t in core.schedule_timings.items()]
+            self.seen[i] = core.schedule
+        if self.interval and step % self.interval == 0:
+            events += [(f"ds_cobalt/traffic/{key}", float(value), step)
+                       for key, value in traffic_summary(engine).items()]
+        if events:
+            engine.monitor.write_events(events)

@@ -16,7 +16,7 @@ from ..runtime.tile_tuner import OverlapTuner
 from ..runtime.topology import Topology
 from ..runtime.traffic import TrafficCounters, sum_totals
 
-__all__ = ["CoreAccess", "cobalt_layers", "layer_cores", "traffic_summary"]
+__all__ = ["CoreAccess", "cobalt_layers", "layer_cores", "schedule_summary", "traffic_summary"]
 
 
 def _core(module: torch.nn.Module) -> LayerCore | None:
@@ -36,11 +36,26 @@ def layer_cores(model: torch.nn.Module) -> list[LayerCore]:
     return [core for core in map(_core, module.modules()) if core is not None]
 
 
+SCHEDULES = ("hierarchical", "direct", "dense")
+
+
 def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
     """Cumulative traffic of this rank over all ds_cobalt layers: bytes/rows sent inter- and intra-node,
     and what DeepSpeed's all-to-all would have sent inter-node for the same forwards (padded E x C
-    buffers, and the dropless one row per (token, expert))."""
-    return sum_totals([core.traffic for core in layer_cores(model)])
+    buffers, and the dropless one row per (token, expert)); `layers_<schedule>`: layers on each transport
+    schedule now (`layers_undecided`: `auto` still timing)."""
+    cores = layer_cores(model)
+    out = sum_totals([core.traffic for core in cores])
+    for name in (*SCHEDULES, None):
+        out[f"layers_{name or 'undecided'}"] = sum(core.schedule == name for core in cores)
+    return out
+
+
+def schedule_summary(model: torch.nn.Module) -> list[dict]:
+    """Per layer: the transport schedule in use and, after an `auto` decision, each candidate's median step
+    seconds (slowest rank)."""
+    return [{"layer": i, "schedule": core.schedule, "timings_s": core.schedule_timings}
+            for i, core in enumerate(layer_cores(model))]
 
 
 class CoreAccess:

@@ -26,6 +26,7 @@ from ..config import CobaltConfig
 from ..planner import LinkModel
 from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
 from ..runtime.layer import LayerCore
+from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
 
@@ -53,9 +54,18 @@ class Replanner:
         pieces = first.expert_state_pieces(0)
         elem = pieces[0][0].element_size()
         expert_params = sum(piece_numel(piece) for piece in pieces)
+        gbps = self.mig.inter_node_gbps
+        if gbps is None:  # measured: the probe's cross-node bytes/s (collective, every rank at start-up)
+            costs = probe_links(first.groups, pieces[0][0].device)
+            engine.cobalt_link_costs = costs
+            gbps = costs.inter_node_gbps if costs.inter_node_bytes_per_s != float("inf") else 1e3
+            if dist.is_initialized() and dist.get_rank() == 0:
+                logger.info(f"ds_cobalt link probe: {costs.fixed_s * 1e3:.3f} ms per collective, cross-node "
+                            f"{costs.inter_node_gbps:.3f} Gbit/s, inside a node "
+                            f"{costs.intra_node_bytes_per_s * 8 / 1e9:.3f} Gbit/s (migration cost model)")
         self.link = LinkModel(expert_params=expert_params, weight_bytes_per_param=elem,
                               optimizer_bytes_per_param=12, token_bytes=elem * first.model_dim,
-                              inter_node_gbps=self.mig.inter_node_gbps, margin=self.mig.margin)
+                              inter_node_gbps=gbps, margin=self.mig.margin)
 
     def __call__(self, engine: Any) -> None:
         if not self.layers:

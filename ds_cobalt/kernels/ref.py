@@ -60,7 +60,7 @@ def gather_rows(x_TD: torch.Tensor, index_P: torch.Tensor) -> torch.Tensor:
     Backward: the gradient rows are scatter-added back (`index_add`) into a `[T, D]` zero tensor.
     """
     _check_rows_index(x_TD, index_P, "x_TD", "index_P")
-    return x_TD[index_P]
+    return torch.index_select(x_TD, 0, index_P)  # backward: index_add (advanced indexing's sorts for duplicates)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -17,9 +17,14 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _alone(group: dist.ProcessGroup | None) -> bool:
+    """A group of one rank (or none): every exchange is a local copy, made without a collective call."""
+    return group is None or group.size() == 1
+
+
 def exchange_counts(send_counts_PC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """`[P, C]` int64 counts for each of the P peers -> the `[P, C]` counts each peer sends to us."""
-    if group is None:
+    if _alone(group):
         return send_counts_PC.clone()
     recv = torch.empty_like(send_counts_PC)
     dist.all_to_all_single(recv, send_counts_PC.contiguous(), group=group)
@@ -33,7 +38,7 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: Sequence[int], recv_splits:
     `send_splits[p]` rows go to peer p, `recv_splits[p]` rows arrive from it. Backward sends the
     gradient rows back along the reversed splits.
     """
-    if group is None:
+    if _alone(group):
         return rows
     return _AllToAllRows.apply(rows, tuple(send_splits), tuple(recv_splits), group)
 
@@ -68,7 +73,7 @@ def all_to_all_row_pair(a: torch.Tensor, b: torch.Tensor, send_splits: Splits, r
 
     `send_splits = (a_splits, b_splits)`: peer p gets `a_splits[p]` rows of `a` then `b_splits[p]` rows of `b`,
     as bytes; `recv_splits` likewise."""
-    if group is None:
+    if _alone(group):
         return a, b
     return _AllToAllRowPair.apply(a, b, tuple(map(tuple, send_splits)), tuple(map(tuple, recv_splits)), group)
 

@@ -84,9 +84,12 @@ def dense_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, locations_TK: torch
         out = fn(recv_XD[:, s].reshape(W * C, D))
         outs.append((out[0] if isinstance(out, tuple) else out).reshape(W, 1, C, D))
     back_XD = all_to_all_rows(torch.cat(outs, 1).reshape(W * L * C, D), split, split, groups.ep_group)
-    back_pad = torch.cat([back_XD, back_XD.new_zeros(1, D)])
-    weight_TK = torch.where(cell_TK < empty, weights_TK.float(), torch.zeros_like(weights_TK, dtype=torch.float32))
-    rows_RD = gather_rows(back_pad, cell_TK.reshape(-1), backend=backend)
+    kept_TK = cell_TK < empty
+    # dropped routes read any row (row 0) with weight 0, as DeepSpeed's combine weighs every buffer row
+    weight_TK = torch.where(kept_TK, weights_TK.float(), torch.zeros_like(weights_TK, dtype=torch.float32))
+    if empty == 0:  # C = 0 on every rank: nothing was sent
+        back_XD = back_XD.new_zeros(1, D)
+    rows_RD = gather_rows(back_XD, torch.where(kept_TK, cell_TK, 0).reshape(-1), backend=backend)
     out_TD = weighted_scatter_add(rows_RD, token_TK.reshape(-1), weight_TK.reshape(-1), T, backend=backend)
     sent = (L * C,) * W
     counts = ExchangeCounts(tokens=T, rail_send=sent, rail_recv=sent, route_send=(0,) * W, node_send=(0,),

@@ -26,6 +26,7 @@ class LayerPlacement:
     replica_rank_ENM: torch.Tensor  # [E, N, M] int64 EP rank of the m-th copy on node n, -1 = none
     replica_slot_ENM: torch.Tensor  # [E, N, M] int64 slot of that copy, -1 = none
     owner_block_E: torch.Tensor  # [E] int64 owner rank * (E / W) + owner slot (the dense schedule's block)
+    single_copy: bool = False  # every expert has exactly one copy (no replicas): its owner serves every route
 
     @property
     def world_size(self) -> int:
@@ -78,7 +79,8 @@ def build_placement(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int,
     block_E[slots_WS[:, :per_rank].reshape(-1)] = np.arange(W * per_rank)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     return LayerPlacement(slots_WS, ranks_per_node, num_experts, as_tensor(count_EN > 0), as_tensor(count_EN),
-                          as_tensor(rank_ENM), as_tensor(slot_ENM), as_tensor(block_E))
+                          as_tensor(rank_ENM), as_tensor(slot_ENM), as_tensor(block_E),
+                          single_copy=bool((count_EN.sum(1) == 1).all()))
 
 
 def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
@@ -97,6 +99,11 @@ def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
     src_node = src_rank // G
     valid_TK = topk_ids_TK >= 0
     ids_TK = topk_ids_TK.clamp(min=0).long()
+    if placement.single_copy:  # no choice to make: the one copy (the owner) serves every route
+        per_rank = placement.owner_slots_per_rank
+        block_TK = placement.owner_block_E[ids_TK]
+        minus = torch.full_like(block_TK, -1)
+        return (torch.where(valid_TK, block_TK // per_rank, minus), torch.where(valid_TK, block_TK % per_rank, minus))
     holds_TKN = placement.holds_EN[ids_TK] & valid_TK.unsqueeze(-1)
     node_TK = torch.full((T, K), -1, dtype=torch.long, device=device)
     # Rotated tie-break priority: the node after the source node wins ties first.

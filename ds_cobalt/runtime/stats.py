@@ -31,13 +31,14 @@ class DeviceRoutingStats:
         T, K = topk_ids_TK.shape
         ids = topk_ids_TK.long()
         valid = ids >= 0
+        if not self.planning:  # load only (a token picks an expert at most once): no [T, E] multi-hot
+            self.load_E.index_add_(0, ids.clamp(min=0).reshape(-1), valid.reshape(-1).to(self.load_E.dtype))
+            self.tokens += T
+            return
         multi_hot_TE = torch.zeros((T, self.num_experts), dtype=torch.float32, device=ids.device)
         multi_hot_TE.scatter_add_(1, ids.clamp(min=0), valid.float())  # -1 adds 0 at column 0
         multi_hot_TE.clamp_(max=1.0)
         self.load_E += multi_hot_TE.sum(0).double()
-        if not self.planning:
-            self.tokens += T
-            return
         coact = multi_hot_TE.t() @ multi_hot_TE
         coact.fill_diagonal_(0)
         self.coact_EE += coact.double()

@@ -11,9 +11,11 @@ Implementations (the equations are in docs/simulator.md):
 - `deepspeed`: DeepSpeed's padded all-to-all, `E x C` rows per GPU with C from the capacity factor (or the
   largest expert count when `capacity_factor is None`, DeepSpeed's `drop_tokens=False`); contiguous layout.
 - `deepspeed-dropless`: an ideal dropless all-to-all with uneven splits, one row per (token, expert).
-- `cobalt`: ds_cobalt's runtime on the given layout: `assign_tasks` picks replicas, one row per
-  (token, remote node) on the rail plus route metadata, intra-node forwarding per route, replicas balance
-  compute; `cobalt-overlap` additionally overlaps communication with expert compute.
+- `cobalt`: ds_cobalt's runtime on the given layout (the hierarchical schedule): `assign_tasks` picks replicas,
+  one row per (token, remote node) on the rail with its routes in the same message, intra-node forwarding per
+  route, replicas balance compute; `cobalt-overlap` additionally overlaps communication with expert compute.
+- `cobalt-direct`: the direct schedule, one row per (token, destination GPU) in one exchange each way;
+  `cobalt-dense`: the dense schedule, DeepSpeed's padded buffers on the layout (no replicas).
 """
 
 from __future__ import annotations
@@ -27,14 +29,12 @@ from ..planner.layout import Layout
 from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
-__all__ = ["LayerRows", "deepspeed_rows", "cobalt_rows", "layer_times", "predict_step_times", "VARIANTS",
+__all__ = ["LayerRows", "deepspeed_rows", "cobalt_rows", "direct_rows", "layer_times", "predict_step_times", "VARIANTS",
            "predict_synthetic", "format_prediction", "step_of_tokens"]
 
-VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap")
+VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap", "cobalt-direct", "cobalt-dense")
 
-_META_BYTES = 12  # ds_cobalt route metadata on the rail: 3 x int32 per remote route
-_WEIGHT_BYTES = 4  # gate weight per remote route (fp32)
-_SLOT_BYTES = 8  # slot id per forwarded route (intra-node, int64)
+_ROUTE_BYTES = 16  # a remote route on the rail: row in the pair block, local rank, slot, gate weight (4 x fp32)
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,23 @@ def cobalt_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G:
                      routes_in)
 
 
+def direct_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int) -> LayerRows:
+    """ds_cobalt's direct schedule: tasks assigned on the flat view (every GPU its own node), one row per
+    (token, destination GPU) plus its routes; cross-node vs same-node by the destination's node."""
+    W = slots_WS.shape[0]
+    dest_TK, _ = assign_tasks(topk_TK, src_T, slots_WS, 1)
+    valid_TK = dest_TK >= 0
+    t_X = np.broadcast_to(np.arange(topk_TK.shape[0])[:, None], dest_TK.shape)[valid_TK]
+    dst_X = dest_TK[valid_TK]
+    src_X = src_T[t_X]
+    pairs = np.unique(t_X * W + dst_X)
+    io, ii, ao, ai = _pair_rows(src_T[pairs // W], pairs % W, W, G)
+    routes = (src_X != dst_X)
+    cross = routes & (src_X // G != dst_X // G)
+    return LayerRows(io, ii, ao, ai, np.bincount(dst_X, minlength=W), np.bincount(src_X[cross], minlength=W),
+                     np.bincount(dst_X[cross], minlength=W))
+
+
 def _transfer_time(hw: Hardware, G: int, bytes_out_W: np.ndarray, bytes_in_W: np.ndarray, inter: bool) -> float:
     """Seconds for the slowest GPU (and, across nodes, the slowest node link) to move its bytes."""
     if inter:
@@ -143,60 +160,78 @@ def _stage_time(hw: Hardware, G: int, bytes_out_W: np.ndarray, bytes_in_W: np.nd
     return hw.collective_overhead_s + hw.latency_s * peers + _transfer_time(hw, G, bytes_out_W, bytes_in_W, inter)
 
 
+def _all_to_all_time(hw: Hardware, G: int, inter_out: np.ndarray, inter_in: np.ndarray, intra_out: np.ndarray,
+                     intra_in: np.ndarray) -> float:
+    """One all-to-all over the whole EP group (bytes per GPU): cross-node and same-node parts at once."""
+    W = inter_out.size
+    if W == 1:
+        return 0.0
+    inter = _transfer_time(hw, G, inter_out, inter_in, True) if W > G else 0.0
+    intra = _transfer_time(hw, G, intra_out, intra_in, False) if G > 1 else 0.0
+    return hw.collective_overhead_s + hw.latency_s * (W - 1) + max(inter, intra)
+
+
 def layer_times(rows: LayerRows, variant: str, hw: Hardware, shape: ModelShape, G: int,
-                replica_slots: int = 0) -> dict[str, float]:
+                replica_slots: int = 0, dropless: bool = False) -> dict[str, float]:
     """Seconds of one layer, forward + backward: `comm_s`, `compute_s`, `total_s` (see docs/simulator.md), and
-    `inter_node_bytes`: bytes the busiest node sends to other nodes (forward + backward)."""
+    `inter_node_bytes`: bytes the busiest node sends to other nodes (forward + backward). `dropless`: the
+    capacity comes from an all-reduce (DeepSpeed's gate, the dense schedule) that costs one collective."""
     W = rows.compute_W.size
     N = W // G
     b = shape.row_bytes
     compute_fwd = float(rows.compute_W.max(initial=0)) * shape.flops_per_row / hw.gemm_flops
     compute = 3.0 * compute_fwd  # backward: two GEMMs per forward GEMM
-    if variant.startswith("deepspeed"):
+    reduce = hw.collective_overhead_s + hw.latency_s * (W - 1) if dropless and W > 1 else 0.0
+    node_of_rows = lambda out_W: float(out_W.reshape(-1, G).sum(1).max(initial=0))  # noqa: E731
+    if variant.startswith("deepspeed") or variant == "cobalt-dense":
         # One all-to-all moves inter- and intra-node rows at once (W - 1 peers); 2 in forward, 2 in backward.
-        def a2a() -> float:
-            if W == 1:
-                return 0.0
-            inter = _transfer_time(hw, G, rows.inter_out_W * b, rows.inter_in_W * b, True) if N > 1 else 0.0
-            intra = _transfer_time(hw, G, rows.intra_out_W * b, rows.intra_in_W * b, False) if G > 1 else 0.0
-            return hw.collective_overhead_s + hw.latency_s * (W - 1) + max(inter, intra)
-
-        comm = 4 * a2a()
-        node_bytes = 4.0 * b * float(rows.inter_out_W.reshape(-1, G).sum(1).max(initial=0))
-        return {"comm_s": comm, "compute_s": compute, "total_s": comm + compute, "inter_node_bytes": node_bytes}
+        a2a = _all_to_all_time(hw, G, rows.inter_out_W * b, rows.inter_in_W * b, rows.intra_out_W * b,
+                               rows.intra_in_W * b)
+        comm = 4 * a2a + (reduce if variant != "deepspeed-dropless" else 0.0)
+        return {"comm_s": comm, "compute_s": compute, "total_s": comm + compute,
+                "inter_node_bytes": 4.0 * b * node_of_rows(rows.inter_out_W)}
     if not variant.startswith("cobalt"):
         raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
     zeros = np.zeros(W, dtype=np.int64)
-
-    def rail(out_W: np.ndarray, in_W: np.ndarray, nbytes: float) -> float:
-        return _stage_time(hw, G, out_W * nbytes, in_W * nbytes, True, N - 1)
-
-    def node(out_W: np.ndarray, in_W: np.ndarray, nbytes: float) -> float:
-        return _stage_time(hw, G, out_W * nbytes, in_W * nbytes, False, G - 1)
-
-    rail_rows = rail(rows.inter_out_W, rows.inter_in_W, b)
-    node_rows = node(rows.intra_out_W, rows.intra_in_W, b)
-    # Forward: counts, rows, metadata, weights on the rail; counts, rows, slots in the node; combine mirrors rows.
-    counts = rail(zeros, zeros, 0) + node(zeros, zeros, 0)
-    fwd_data = (2 * rail_rows + rail(rows.routes_out_W, rows.routes_in_W, _META_BYTES)
-                + rail(rows.routes_out_W, rows.routes_in_W, _WEIGHT_BYTES)
-                + 2 * node_rows + node(rows.intra_out_W, rows.intra_in_W, _SLOT_BYTES))
-    # Backward: gradients of the rows (both stages, both directions) and of the gate weights.
-    bwd_data = 2 * rail_rows + 2 * node_rows + rail(rows.routes_out_W, rows.routes_in_W, _WEIGHT_BYTES)
-    # Stage 2 replicas: weights copied in (forward), gradients reduced to the owner (backward), intra-node.
-    replica = 0.0
-    if replica_slots and G > 1:
+    counts = _all_to_all_time(hw, G, zeros, zeros, zeros, zeros)  # one count exchange over the EP group
+    replica = 0.0  # stage-2 replicas: weights copied in (forward), gradients back to the owner (backward)
+    if replica_slots and G > 1 and variant != "cobalt-dense":
         param_bytes = shape.ffn_matrices * shape.hidden * shape.ffn * shape.dtype_bytes
-        replica = 2 * replica_slots * param_bytes / hw.intra_node_bw
-    comm = counts + fwd_data + bwd_data + replica
-    per_node = (4.0 * b * rows.inter_out_W + (_META_BYTES + 2 * _WEIGHT_BYTES) * rows.routes_out_W).reshape(-1, G)
-    node_bytes = float(per_node.sum(1).max(initial=0))
+        replica = 2 * (hw.collective_overhead_s + replica_slots * param_bytes / hw.intra_node_bw)
+    route_bytes = _ROUTE_BYTES * rows.routes_out_W
+    node_bytes = node_of_rows(4.0 * b * rows.inter_out_W + 2.0 * route_bytes)
+    if variant == "cobalt-direct":
+        # forward: counts, rows + routes, rows back; backward: the gradients of both, the other way
+        there = _all_to_all_time(hw, G, rows.inter_out_W * b + route_bytes, rows.inter_in_W * b
+                                 + _ROUTE_BYTES * rows.routes_in_W, rows.intra_out_W * b, rows.intra_in_W * b)
+        back = _all_to_all_time(hw, G, rows.inter_in_W * b, rows.inter_out_W * b, rows.intra_in_W * b,
+                                rows.intra_out_W * b)
+        comm = counts + 2 * (there + back) + replica
+        return {"comm_s": comm, "compute_s": compute, "total_s": comm + compute, "inter_node_bytes": node_bytes}
+
+    def rail(out_W: np.ndarray, in_W: np.ndarray) -> float:
+        return _stage_time(hw, G, out_W, in_W, True, N - 1)
+
+    def node(out_W: np.ndarray, in_W: np.ndarray) -> float:
+        return _stage_time(hw, G, out_W, in_W, False, G - 1)
+
+    rail_rows = rail(rows.inter_out_W * b, rows.inter_in_W * b)
+    node_rows = node(rows.intra_out_W * b, rows.intra_in_W * b)
     if variant == "cobalt-overlap":
+        # runtime/overlap.py: per rail chunk a rail count exchange, rows and routes apart; node counts per round
         chunks = hw.overlap_chunks
+        counts = rail(zeros, zeros) + node(zeros, zeros)
+        routes = rail(route_bytes, _ROUTE_BYTES * rows.routes_in_W)
+        fwd_data = 2 * rail_rows + routes + 2 * node_rows
+        bwd_data = 2 * rail_rows + 2 * node_rows + routes
         total = counts
         for data, comp in ((fwd_data + replica / 2, compute_fwd), (bwd_data + replica / 2, 2 * compute_fwd)):
             total += max(data, comp) + min(data, comp) / chunks
-        return {"comm_s": comm, "compute_s": compute, "total_s": total, "inter_node_bytes": node_bytes}
+        return {"comm_s": counts + fwd_data + bwd_data + replica, "compute_s": compute, "total_s": total,
+                "inter_node_bytes": node_bytes}
+    # hierarchical: counts, rail rows + routes (one message), node rows, node back, rail back; backward mirrors
+    rail_out = rail(rows.inter_out_W * b + route_bytes, rows.inter_in_W * b + _ROUTE_BYTES * rows.routes_in_W)
+    comm = counts + 2 * (rail_out + 2 * node_rows + rail_rows) + replica
     return {"comm_s": comm, "compute_s": compute, "total_s": comm + compute, "inter_node_bytes": node_bytes}
 
 
@@ -256,13 +291,20 @@ def predict_step_times(
                                                               min_capacity=min_capacity))
                 elif v == "deepspeed-dropless":
                     rows = cache.setdefault(v, deepspeed_rows(topk_TK, src, E, N, G, padded=False))
+                elif v == "cobalt-dense":
+                    rows = cache.setdefault("deepspeed", deepspeed_rows(topk_TK, src, E, N, G, padded=True,
+                                                                        capacity_factor=capacity_factor,
+                                                                        min_capacity=min_capacity))
+                elif v == "cobalt-direct":
+                    rows = cache.setdefault(v, direct_rows(topk_TK, src, slots_WS, G))
                 else:
                     if "cobalt" not in cache:
                         cache["cobalt"] = cobalt_rows(topk_TK, src, slots_WS, G)
                     rows = cache["cobalt"]
                 if rows_scale != 1.0:
                     rows = _scaled(rows, rows_scale)
-                t = layer_times(rows, v, hw, shape, G, replica_slots if v.startswith("cobalt") else 0)
+                t = layer_times(rows, v, hw, shape, G, replica_slots if v.startswith("cobalt") else 0,
+                                dropless=capacity_factor is None)
                 acc["step_s"][v] += t["total_s"] * layer_scale / steps
                 acc["comm_s"][v] += t["comm_s"] * layer_scale / steps
                 acc["compute_s"][v] += t["compute_s"] * layer_scale / steps

@@ -65,3 +65,29 @@ def test_plain_engine_counts_no_coactivation_and_refuses_async_migration(run_ran
         assert out["cobalt_engine"] is False
         assert out["planning"] == [False, False] and out["coact"] == 0.0
         assert out["sync_ok"]
+
+
+def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
+    """DeepSpeed's monitor gets each layer's schedule once, when decided, and the counters every interval."""
+    import types
+
+    import torch
+
+    import ds_cobalt
+    from ds_cobalt.integrations.cobalt_engine import MonitorHook
+
+    torch.manual_seed(0)
+    layer = ds_cobalt.MoE(8, torch.nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
+    layer(torch.randn(6, 8))
+    written: list = []
+    monitor = types.SimpleNamespace(enabled=True, write_events=written.extend)
+    engine = types.SimpleNamespace(module=torch.nn.Sequential(layer), global_rank=0, global_steps=1, monitor=monitor)
+    hook = MonitorHook(interval=2)
+    hook(engine)
+    assert written == [("ds_cobalt/schedule/layer0", 0.0, 1)]  # hierarchical, the only candidate on one rank
+    engine.global_steps = 2
+    hook(engine)  # no new decision; the counters at the interval
+    names = {name for name, _, step in written[1:]}
+    assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_hierarchical" in names
+    assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
+    assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {}}]

@@ -1,0 +1,126 @@
+"""DeepSpeed's MoE and ds_cobalt's schedules trained side by side in ONE job, steps interleaved.
+
+    sudo benchmarks/cluster/run_cluster.sh --rate 1gbit --script benchmarks/paired_steps.py -- \
+        --deepspeed_config ds_config_templates/cpu_2nodes_x_2ranks.json --steps 40 --json-out OUT/paired.json
+
+Separate jobs (benchmarks/e2e_cluster.py) see the shared machine's noise differently: on the 2-core testbed
+DeepSpeed's own tokens/s moved 2x between back-to-back runs. Here every variant is an engine in the same
+processes (examples/moe_lm.py's model, same seed and data), and each step runs one optimizer step of every
+variant, in an order that rotates each step, with a barrier before each timed step. A variant's step time is
+the slowest rank's; the script prints median step times and the ratio of DeepSpeed's median to each
+variant's (> 1 = faster than DeepSpeed), and writes them to `--json-out`.
+
+Variants (`--variants`): deepspeed, hierarchical, direct, dense, auto (ds_cobalt's `transport.schedule`), each
+with the config's `"cobalt"` section otherwise; the first `--skip` steps (warm-up, `auto`'s trials included
+in its median only when `--count-trials`) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
+from train_moe import initialize, moe_class, read_config  # noqa: E402
+
+SCHEDULES = ("hierarchical", "direct", "dense", "auto")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--variants", nargs="+", default=["deepspeed", "hierarchical", "direct", "dense"],
+                   choices=["deepspeed", *SCHEDULES])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--d-ff", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--no-drop-tokens", action="store_true")
+    p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_threads_from_env()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = read_config(args.deepspeed_config)
+    cfg = ModelConfig(d_model=args.d_model, n_heads=4, n_layers=args.n_layers, d_ff=args.d_ff, seq_len=args.seq_len,
+                      moe_every=1, num_experts=args.num_experts, ep_size=world, k=args.top_k,
+                      capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=not args.no_drop_tokens)
+    engines = {}
+    for variant in args.variants:
+        torch.manual_seed(args.seed)  # same initial weights for every variant
+        impl = "deepspeed" if variant == "deepspeed" else "cobalt"
+        config = copy.deepcopy(base)
+        if impl == "cobalt":
+            config.setdefault("cobalt", {})["transport"] = {"schedule": variant}
+        path = Path(f"/tmp/paired_steps_{variant}_rank{rank}.json")
+        path.write_text(json.dumps(config))
+        engines[variant] = initialize(impl, MoELM(cfg, moe_class(impl)), str(path), config)
+    corpus = load_corpus(8 << 20)
+    micro = engines[args.variants[0]].train_micro_batch_size_per_gpu()
+    times: dict[str, list[float]] = {v: [] for v in args.variants}
+    losses: dict[str, list[float]] = {v: [] for v in args.variants}
+    for step in range(args.steps):
+        ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
+                                      micro_batch=micro, seq_len=args.seq_len)
+        order = args.variants[step % len(args.variants):] + args.variants[: step % len(args.variants)]
+        for variant in order:
+            engine = engines[variant]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, _, _ = engine(ids, targets, 0.01)
+            engine.backward(loss)
+            engine.step()
+            seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's step
+            times[variant].append(float(seconds))
+            losses[variant].append(float(loss.detach()))
+    tokens = world * micro * args.seq_len
+    medians = {v: statistics.median(t[args.skip:]) for v, t in times.items()}
+    ref = medians.get("deepspeed")
+    schedules = {v: [core.schedule for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
+    result = {"medians_s": medians, "tokens_per_step": tokens,
+              "speedup_vs_deepspeed": {v: ref / m for v, m in medians.items()} if ref else {},
+              "schedules": schedules, "step_times_s": times, "losses": losses, "args": vars(args)}
+    if rank == 0:
+        print(f"paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step (slowest rank)")
+        for v, m in medians.items():
+            extra = f"  vs DeepSpeed {ref / m:.3f}" if ref else ""
+            print(f"  {v:>14}: {m * 1e3:8.2f} ms  {tokens / m:8.0f} tokens/s{extra}  {schedules.get(v, '')}")
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _cores(engine):
+    from ds_cobalt.integrations.layers import layer_cores
+
+    return layer_cores(engine)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A short timed probe of the EP groups: fixed cost per collective and bytes/s inside a node and across nodes.
+
+Run once per set of groups (cached), on every rank of the EP group at the same point (it is collective):
+- fixed cost: an all-to-all of one int64 per peer over the EP group;
+- across nodes: an all-to-all of `probe_bytes` per peer on the rail group (ranks with this local index on
+  every node), bytes/s = bytes this rank sends / (time - fixed cost);
+- inside a node: the same on the node group.
+Each is the median of `repeats` timed calls after one warm-up; the slowest rank's numbers are agreed by one
+all-reduce (MAX of the times), so every rank holds the same `LinkCosts`. The migration cost model reads its
+link speed from here (unless `migration.inter_node_gbps` is set), and the numbers are logged and reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_size
+from .topology import EPGroups
+
+_CACHE: dict[tuple, "LinkCosts"] = {}
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """What the probe measured (slowest rank). Bandwidths are per rank and direction; `inf` where a stage
+    has no peers (one node, or one rank per node)."""
+
+    fixed_s: float  # one small collective over the EP group
+    inter_node_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    probe_bytes: int
+
+    @property
+    def inter_node_gbps(self) -> float:
+        return self.inter_node_bytes_per_s * 8 / 1e9
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timed_all_to_all(numel: int, group: dist.ProcessGroup | None, device: torch.device, repeats: int) -> float:
+    peers = group_size(group)
+    if group is None or peers == 1:
+        return 0.0
+    send = torch.zeros(numel * peers, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NOTE: host sync (probe only)
+        start = time.perf_counter()
+        dist.all_to_all_single(recv, send, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first call is a warm-up
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 << 10, repeats: int = 3) -> LinkCosts:
+    """The cached `LinkCosts` of `groups` (module docstring); collective on the EP group the first time."""
+    key = (groups.ep_ranks, groups.topology.ranks_per_node, probe_bytes, device.type)
+    if key in _CACHE:
+        return _CACHE[key]
+    fixed = _timed_all_to_all(8, groups.ep_group, device, repeats)
+    rail = _timed_all_to_all(probe_bytes, groups.rail_group, device, repeats)
+    node = _timed_all_to_all(probe_bytes, groups.node_group, device, repeats)
+    times = torch.tensor([fixed, rail, node], dtype=torch.float64, device=device)
+    if groups.ep_group is not None:
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.ep_group)
+    fixed, rail, node = times.tolist()  # NOTE: host sync (probe only)
+
+    def rate(seconds: float, group: dist.ProcessGroup | None) -> float:
+        peers = group_size(group) - 1
+        if peers <= 0 or seconds <= 0:
+            return float("inf")
+        return probe_bytes * peers / max(seconds - fixed, seconds * 0.05)
+
+    costs = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=rate(rail, groups.rail_group),
+                      intra_node_bytes_per_s=rate(node, groups.node_group), probe_bytes=probe_bytes)
+    _CACHE[key] = costs
+    return costs
