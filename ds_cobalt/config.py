@@ -76,7 +76,8 @@ class PlannerConfig(_Section):
 class MigrationConfig(_Section):
     """Moving expert owners. A plan that moves owners is applied only when the modelled saving over the next
     interval beats `margin` x the modelled migration time over a link of `inter_node_gbps` gigabit/s (default:
-    measured at start-up by a short probe of the process groups, runtime/link_probe.py) (`ignore_cost_model`: always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
+    measured at start-up by a short probe of the process groups, runtime/link_probe.py) (`ignore_cost_model`:
+    always, for tests and benchmarks). `checkpoint_logical_order`: save checkpoints in
     DeepSpeed's contiguous expert order (migrate there around the save, and back); `checkpoint_portable_state`:
     also write every parameter's full training state beside it, so `load_checkpoint(..., load_module_only=True)`
     at another world size restores the optimizer state (integrations/portable.py). `asynchronous`: transfers
