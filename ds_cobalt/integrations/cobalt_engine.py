@@ -57,6 +57,8 @@ class CobaltEngine(DeepSpeedEngine):
         boundary = self.is_gradient_accumulation_boundary()
         out = super().step(*args, **kwargs)
         if boundary:
+            for core in layer_cores(self):
+                core.step_end()
             for hook in self.cobalt_step_hooks:
                 hook(self)
         return out

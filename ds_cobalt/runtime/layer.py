@@ -200,6 +200,11 @@ class LayerCore:
             candidates = [HIERARCHICAL, DIRECT, DENSE]
         return [c for c in candidates if c not in without]
 
+    def step_end(self) -> None:
+        """Called after each optimizer step (`CobaltEngine.step`): closes a running schedule trial."""
+        if self._chooser is not None:
+            self._chooser.step_end(self._device())
+
     @property
     def schedule(self) -> str | None:
         """The schedule in use (None while `auto` is still timing the candidates)."""

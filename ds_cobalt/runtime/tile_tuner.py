@@ -127,11 +127,11 @@ class OverlapTuner:
 
 
 class StepTimedChoice:
-    """Picks one of `candidates` by timing whole training steps: a trial runs from one forward of the layer to
-    its next forward, so it includes the backward (and everything else of the step, which is the same for
-    every candidate). Trials alternate candidates `repeats` times after `warmup` steps; the lowest median
-    wins. Every rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the
-    slowest rank decides)."""
+    """Picks one of `candidates` by timing whole training steps: a trial runs from the layer's forward to the
+    end of the optimizer step (`step_end`), or to its next forward where nothing calls `step_end`, so it
+    includes the backward (and everything else of the step, which is the same for every candidate). Trials
+    alternate candidates `repeats` times after `warmup` steps; the lowest median wins. Every rank of the EP
+    group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides)."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1) -> None:
         self.candidates = list(candidates)
@@ -144,21 +144,35 @@ class StepTimedChoice:
         self._started: float | None = None
 
     def pick(self, device: torch.device, groups: EPGroups) -> str:
-        """The candidate this forward runs with (closing the previous trial first)."""
+        """The candidate this forward runs with (closing the previous trial first, if `step_end` did not)."""
         if self.chosen is not None:
             return self.chosen
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # NOTE: host sync, only during the trials
-        now = time.perf_counter()
-        if self._started is not None:
-            if self._trial >= self.warmup:
-                self.times[self.trials[self._trial]].append(now - self._started)
-            self._trial += 1
+        now = self._now(device)
+        if self._started is not None:  # no step_end since the last forward: time forward to forward
+            self._close(now)
         if self._trial == len(self.trials):
             self._decide(groups)
             return self.chosen  # type: ignore[return-value]
         self._started = now
         return self.trials[self._trial]
+
+    def step_end(self, device: torch.device) -> None:
+        """The optimizer step after the trial's forward finished (`CobaltEngine.step`): the trial ends here, so
+        work between steps (data loading, other models) stays out of it."""
+        if self.chosen is None and self._started is not None:
+            self._close(self._now(device))
+
+    @staticmethod
+    def _now(device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NOTE: host sync, only during the trials
+        return time.perf_counter()
+
+    def _close(self, now: float) -> None:
+        if self._trial >= self.warmup:
+            self.times[self.trials[self._trial]].append(now - self._started)
+        self._trial += 1
+        self._started = None
 
     def _decide(self, groups: EPGroups) -> None:
         medians = torch.tensor([float(torch.tensor(self.times[c]).median()) for c in self.candidates],

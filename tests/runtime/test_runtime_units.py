@@ -239,3 +239,21 @@ def test_step_timed_choice_alternates_then_keeps_the_lower_median(monkeypatch) -
     assert chooser.chosen == "direct" and seen[7:] == ["direct"] * 3
     assert chooser.medians == {"hierarchical": 2.0, "direct": 1.0}  # the median ignores the outlier
     assert tile_tuner.StepTimedChoice(["hierarchical"]).chosen == "hierarchical"  # one candidate: no trials
+
+
+def test_step_timed_choice_ends_trials_at_the_optimizer_step(monkeypatch) -> None:
+    """With `step_end` the time between steps (another model's step, data loading) stays out of the trials."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = tile_tuner.StepTimedChoice(["hierarchical", "dense"], repeats=3, warmup=1)
+    cost = {"hierarchical": 2.0, "dense": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    for _ in range(9):
+        pick = chooser.pick(torch.device("cpu"), groups)
+        now["t"] += cost[pick]
+        chooser.step_end(torch.device("cpu"))
+        now["t"] += 10.0 if pick == "dense" else 0.0  # slow work after dense's steps: not dense's cost
+    assert chooser.chosen == "dense" and chooser.medians == {"hierarchical": 2.0, "dense": 1.0}

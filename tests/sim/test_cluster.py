@@ -77,7 +77,10 @@ def test_degenerate_shapes(E, N, G, K):
                                                                                   ffn=128))
     assert set(pred["step_s"]) == set(VARIANTS)
     assert all(v > 0 for v in pred["step_s"].values())
-    assert pred["step_s"]["cobalt-overlap"] <= pred["step_s"]["cobalt"] + 1e-12
+    # overlap never costs more than its own schedule run serially (it keeps rows and routes apart and counts per
+    # chunk, so where fixed costs dominate it can lose to the phased schedule's fewer collectives)
+    overlap_serial = pred["comm_s"]["cobalt-overlap"] + pred["compute_s"]["cobalt-overlap"]
+    assert pred["step_s"]["cobalt-overlap"] <= overlap_serial + 1e-12
     if N == 1:  # nothing crosses nodes
         rows = cobalt_rows(trace.experts_LTK[0], trace.source_ranks(N * G), contiguous_layout(E, N, G).layer(0), G)
         assert rows.inter_out_W.sum() == 0

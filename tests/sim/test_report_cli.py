@@ -71,7 +71,8 @@ def test_simulate_hardware_keeps_plain_output(tmp_path, capsys):
 def test_calibrated_ratios_match_recorded_runs():
     """Predicted DeepSpeed/ds_cobalt step-time ratios vs the recorded emulated-cluster runs (tests/data/e2e).
 
-    The tolerance is what the model achieved on the recorded runs (docs/simulator.md), not the 15% target."""
+    The loopback runs calibrate the model (fitted: t_fixed and ds_cobalt's unmodelled CPU time); the other rates
+    are predicted, within the 15% target (docs/simulator.md)."""
     from ds_cobalt.sim.hardware import load_hardware_json
     from ds_cobalt.sim.report_compare import compare_runs
 
@@ -81,3 +82,5 @@ def test_calibrated_ratios_match_recorded_runs():
     assert {r["rate"] for r in result["ratios"]} == set(expected["rates"])
     for r in result["ratios"]:
         assert abs(r["rel_error"]) <= expected["tolerance"], r
+    assert [r["rate"] for r in result["ratios"] if r["fitted"]] == ["loopback"]
+    assert result["max_abs_rel_error"] <= expected["tolerance"]
