@@ -101,7 +101,7 @@ def run_case(name: str, schedule: str, replicas: bool, overlap: bool, args) -> d
     expert = torch.nn.Sequential(torch.nn.Linear(D, args.ffn), torch.nn.GELU(), torch.nn.Linear(args.ffn, D))
     kwargs = dict(ep_size=1, k=k, drop_tokens=False, min_capacity=0)
     ref = DeepSpeedMoE(D, copy.deepcopy(expert), E, **kwargs)
-    cfg = parse_cobalt_config({"transport": {"schedule": schedule},
+    cfg = parse_cobalt_config({"transport": {"schedule": schedule}, "kernels": {"backend": args.kernels},
                                "overlap": {"enabled": overlap, "tile_rows": 512 if overlap else "auto"}})
     ours = ds_cobalt.MoE(D, copy.deepcopy(expert), E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
@@ -135,7 +135,8 @@ def run_case(name: str, schedule: str, replicas: bool, overlap: bool, args) -> d
             "param_grads": max(float((gp_ref[n] - gp_our[n]).abs().max()) for n in gp_ref)}
     scale = max(float(o_ref.abs().max()), 1e-6)
     tol = 3e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-    return {"case": name, "schedule": ours.cobalt_core.schedule, "max_abs_diff": diff,
+    return {"case": name, "schedule": ours.cobalt_core.schedule,
+            "kernels": ours.cobalt_core.backend(device), "max_abs_diff": diff,
             "ok": all(v <= tol * max(scale, 1.0) for v in diff.values()) and set(gp_ref) == set(gp_our),
             "deepspeed_ms": results["deepspeed_ms"], "cobalt_ms": results["cobalt_ms"],
             "deepspeed_host_syncs_per_forward": results["deepspeed_syncs"],
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--kernels", default=None, choices=["torch", "cupy", "auto"],
+                   help="cobalt.kernels.backend (default: auto on CUDA, so the CuPy kernels run; torch on CPU)")
     args = p.parse_args(argv)
+    args.kernels = args.kernels or ("auto" if args.device == "cuda" else "torch")
     _init(args.device)
     rows = []
     for case in CASES:

@@ -31,6 +31,16 @@ def exchange_counts(send_counts_PC: torch.Tensor, group: dist.ProcessGroup | Non
     return recv
 
 
+def group_capacity(capacity: torch.Tensor | int, is_local: bool, group: dist.ProcessGroup | None,
+                   device: torch.device) -> int:
+    """A DeepSpeed gate's capacity as a host int: the largest over `group` when `capacity` is this rank's
+    dropless value (`is_local`; the all-reduce DeepSpeed's gate would have made), else as it is."""
+    value = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1).clone()
+    if is_local and not _alone(group):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return int(value.item())  # NOTE: host sync
+
+
 def all_to_all_rows(rows: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                     group: dist.ProcessGroup | None) -> torch.Tensor:
     """Variable-size all-to-all of the rows of `rows` (dim 0); differentiable.

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..kernels import gather_rows, weighted_scatter_add
 from .comm import all_to_all_rows
@@ -29,14 +28,6 @@ from .topology import EPGroups
 from .traffic import ExchangeCounts
 
 ExpertFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def group_capacity(capacity: torch.Tensor | int, is_local: bool, groups: EPGroups, device: torch.device) -> int:
-    """The C every rank uses: the largest over the group when `capacity` is this rank's dropless value."""
-    value = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1).clone()
-    if is_local and groups.ep_group is not None:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=groups.ep_group)  # the gate's, moved here
-    return int(value.item())  # NOTE: host sync (buffer sizes)
 
 
 def expert_locations(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from ..kernels import resolve_backend
 from ..planner.layout import contiguous_layout
-from .dense import dense_moe, expert_locations, group_capacity
+from .comm import group_capacity
+from .dense import dense_moe, expert_locations
 from .dispatch import deepspeed_remote_routes
 from .moe_exchange import OverlapSettings, bind, moe_exchange, slot_experts
 from .placement import LayerPlacement, build_placement
@@ -244,10 +245,11 @@ class LayerCore:
         gate gives them; computed here otherwise), for the `dense` schedule."""
         topo = self.topology
         schedule = self._pick_schedule(x_TD.device)
+        padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE:
             if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
                 locations_TK, deepspeed_capacity = expert_locations(topk_ids_TK, self.num_experts)
-                capacity_is_local = True
+                capacity_is_local, padded_by_deepspeed = True, False
             capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
             if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
                 self._chooser = StepTimedChoice(self._schedule_candidates(without=(DENSE,)))
@@ -265,6 +267,8 @@ class LayerCore:
             out_TD, counts = dense_moe(x_TD, topk_ids_TK, locations_TK, weights_TK, placement, groups,
                                        [None if slot is None else bind(slot) for slot in slots], capacity,
                                        self.backend(x_TD.device))
+            if not padded_by_deepspeed:  # the padding is ours: DeepSpeed's (AutoEP's) layer would pad nothing
+                counts = replace(counts, deepspeed_capacity=0)
         else:
             slots, anchor = slot_experts(experts.module, experts.names, experts.owner_tensors, placement,
                                          self._replica_plan, groups, experts.owner_modules)
@@ -299,7 +303,7 @@ class LayerCore:
         checked by one all-reduce (ranks see new values together: train/eval capacity factors), None = the
         ranks differ."""
         if is_local:
-            return group_capacity(capacity, True, self.groups, device)
+            return group_capacity(capacity, True, self.groups.ep_group, device)
         value = int(torch.as_tensor(capacity).item())  # NOTE: host sync (buffer sizes)
         if value not in self._dense_capacities:
             both = torch.tensor([value, -value], dtype=torch.int64, device=device)

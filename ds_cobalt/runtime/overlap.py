@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from ..kernels import gather_rows
+from .comm import group_capacity
 from .dispatch import (
     RailPlan,
     RelayRoutes,
@@ -402,12 +403,5 @@ def overlapped_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: to
     node = (tuple(sum(node_send[g::G]) for g in range(G)), tuple(sum(node_recv[g::G]) for g in range(G)))
     zero = ((0,) * G, (0,) * G)
     parts = [plan_counts(plan, *(node if i == 0 else zero)) for i, plan in enumerate(plans)]
-    return out_TD, replace(ExchangeCounts.total(parts), deepspeed_capacity=_capacity(capacity, groups, x_TD.device))
-
-
-def _capacity(capacity: tuple[torch.Tensor | int, bool], groups: EPGroups, device: torch.device) -> int:
-    value, is_local = capacity
-    value = torch.as_tensor(value, dtype=torch.int64, device=device).reshape(1).clone()
-    if is_local and groups.ep_group is not None:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=groups.ep_group)  # the gate's, moved here
-    return int(value.item())  # NOTE: host sync (the overlapped schedule's counters)
+    capacity_C = group_capacity(*capacity, groups.ep_group, x_TD.device)  # the overlapped schedule's counters
+    return out_TD, replace(ExchangeCounts.total(parts), deepspeed_capacity=capacity_C)

@@ -140,8 +140,8 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
 
     out: dict = {}
     cobalt = None
-    if impl == "cobalt":
-        cobalt = {"topology": {"ranks_per_node": 2}}
+    if impl == "cobalt":  # the deduplicating dispatcher (the default `auto` may keep dense on this testbed)
+        cobalt = {"topology": {"ranks_per_node": 2}, "transport": {"schedule": "hierarchical"}}
         if trace:
             cobalt["trace"] = {"path": trace, "steps": 2}
     elif impl == "migrating":
@@ -223,8 +223,10 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
                     co["losses"], ref["losses"][:n], rtol=0, atol=1e-5, err_msg=f"{family} {impl} rank {rank}"
                 )
                 t = co["traffic"]
-                assert t["steps"] == n and t["deepspeed_inter_node_bytes_padded"] == 0
-                assert 0 < t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_dropless"], t
+                assert t["steps"] == n and t["deepspeed_inter_node_bytes_padded"] == 0  # AutoEP pads nothing
+                assert 0 < t["inter_node_bytes"], t
+                if impl != "migrating":  # `auto` (default) there: dense pads to the largest count on its steps
+                    assert t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_dropless"], t
             # every (token, top-2 expert) once per layer (the replanner resets the statistics it reads)
             assert res[(family, "cobalt")]["load"] == [steps * BATCH * SEQ * 2] * 2
             assert np.mean(ref["losses"][-3:]) < np.mean(ref["losses"][:3])  # it trained

@@ -206,9 +206,11 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
 def test_schedule_in_use(parity_results) -> None:
     for prefix in ("direct", "dense"):
         assert all(r["schedule"] == prefix for name in CASES if name.startswith(prefix) for r in parity_results[name])
-    assert all(r["schedule"] == "hierarchical" for r in parity_results["k2_dropless_uneven"])  # the default
-    # `auto` is still timing after one forward (its first trial runs the hierarchical schedule)
+    # the default is `auto`: still timing after one forward (its first trial runs the hierarchical schedule)
+    assert all(r["schedule"] is None for r in parity_results["k2_dropless_uneven"])
     assert all(r["schedule"] is None for r in parity_results["auto_first_forward"])
+    # with overlap on, `auto` means the overlapped (hierarchical) schedule
+    assert all(r["schedule"] == "hierarchical" for r in parity_results["overlap_k2_dropless_tiles"])
 
 
 @pytest.mark.parametrize("name", ["direct_k2_dropless_uneven", "direct_k2_capacity", "direct_k2_empty_rank"])
