@@ -67,14 +67,18 @@ def dense_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, locations_TK: torch
     x_pad = torch.cat([x_TD, x_TD.new_zeros(1, D)])
     send_XD = gather_rows(x_pad, source_X[:empty], backend=backend)
     split = [L * C] * W
-    recv_XD = all_to_all_rows(send_XD, split, split, groups.ep_group).reshape(W, L, C, D)
+    recv_XD = all_to_all_rows(send_XD, split, split, groups.ep_group)
+    # [W, L, C, D] -> one [W * C, D] block per owner slot: one permuted copy (a strided slice per slot would
+    # make backward zero-fill and add a whole-buffer gradient for every slot)
+    per_slot = recv_XD.reshape(W, L, C, D).transpose(0, 1).reshape(L, W * C, D).unbind(0)
     outs = []
     for s in range(L):
         fn = slot_fns[s]
         assert fn is not None, f"owner slot {s} has no expert"
-        out = fn(recv_XD[:, s].reshape(W * C, D))
-        outs.append((out[0] if isinstance(out, tuple) else out).reshape(W, 1, C, D))
-    back_XD = all_to_all_rows(torch.cat(outs, 1).reshape(W * L * C, D), split, split, groups.ep_group)
+        out = fn(per_slot[s])
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    out_XD = torch.stack(outs).reshape(L, W, C, D).transpose(0, 1).reshape(W * L * C, D)
+    back_XD = all_to_all_rows(out_XD, split, split, groups.ep_group)
     kept_TK = cell_TK < empty
     # dropped routes read any row (row 0) with weight 0, as DeepSpeed's combine weighs every buffer row
     weight_TK = torch.where(kept_TK, weights_TK.float(), torch.zeros_like(weights_TK, dtype=torch.float32))
