@@ -19,7 +19,7 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def _alone(group: dist.ProcessGroup | None) -> bool:
     """A group of one rank (or none): every exchange is a local copy, made without a collective call."""
-    return group is None or group.size() == 1
+    return group_size(group) == 1
 
 
 def exchange_counts(send_counts_PC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

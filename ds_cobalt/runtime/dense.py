@@ -23,7 +23,7 @@ import torch
 
 from ..kernels import gather_rows, weighted_scatter_add
 from .comm import all_to_all_rows
-from .placement import LayerPlacement
+from .placement import LayerPlacement, rank_within_key
 from .topology import EPGroups
 from .traffic import ExchangeCounts
 
@@ -36,14 +36,7 @@ def expert_locations(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch
     T, K = topk_ids_TK.shape
     valid = topk_ids_TK.reshape(-1) >= 0
     key = torch.where(valid, topk_ids_TK.reshape(-1).long(), torch.full_like(valid, num_experts, dtype=torch.long))
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    first = torch.ones_like(sorted_key, dtype=torch.bool)
-    first[1:] = sorted_key[1:] != sorted_key[:-1]
-    index = torch.arange(key.numel(), device=key.device)
-    start = torch.cummax(torch.where(first, index, 0), 0).values
-    location = torch.empty_like(key)
-    location[order] = index - start
+    location = rank_within_key(key)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
     return location.reshape(T, K), counts.max().reshape(1) if num_experts else counts.new_zeros(1)
 

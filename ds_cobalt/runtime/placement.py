@@ -83,6 +83,19 @@ def build_placement(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int,
                           single_copy=bool((count_EN.sum(1) == 1).all()))
 
 
+def rank_within_key(key: torch.Tensor) -> torch.Tensor:
+    """For each entry of the 1-D `key`, how many earlier entries (in index order) share its key."""
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = torch.ones_like(sorted_key, dtype=torch.bool)
+    first[1:] = sorted_key[1:] != sorted_key[:-1]
+    index = torch.arange(key.numel(), device=key.device)
+    start = torch.cummax(torch.where(first, index, 0), 0).values
+    rank = torch.empty_like(key)
+    rank[order] = index - start
+    return rank
+
+
 def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
                  src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick a physical copy (EP rank, slot) for every (token, route) of tokens living on `src_rank`.
@@ -133,13 +146,7 @@ def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
     flat_node = node_TK.reshape(-1).clamp(min=0)
     key = flat_ids * N + flat_node
     key = torch.where(valid_TK.reshape(-1), key, torch.full_like(key, -1))
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    first = torch.ones_like(sorted_key, dtype=torch.bool)
-    first[1:] = sorted_key[1:] != sorted_key[:-1]
-    start = torch.cummax(torch.where(first, torch.arange(key.numel(), device=device), 0), 0).values
-    rank_in_key = torch.empty_like(key)
-    rank_in_key[order] = torch.arange(key.numel(), device=device) - start
+    rank_in_key = rank_within_key(key)
     copies = placement.replica_count_EN[flat_ids, flat_node].clamp(min=1)
     pick = (rank_in_key + src_rank) % copies
     dest_rank = placement.replica_rank_ENM[flat_ids, flat_node, pick].reshape(T, K)
