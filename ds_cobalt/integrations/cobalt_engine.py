@@ -152,6 +152,8 @@ class MonitorHook:
                 events.append((f"ds_cobalt/schedule/layer{i}", float(SCHEDULES.index(core.schedule)), step))
                 events += [(f"ds_cobalt/schedule/layer{i}/{name}_s", float(t), step)
                            for name, t in core.schedule_timings.items()]
+                events += [(f"ds_cobalt/schedule/layer{i}/{name}_model_comm_s", float(t), step)
+                           for name, t in core.schedule_model.get("predicted_comm_s", {}).items()]
             self.seen[i] = core.schedule
         if self.interval and step % self.interval == 0:
             events += [(f"ds_cobalt/traffic/{key}", float(value), step)

@@ -52,9 +52,10 @@ def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
 
 
 def schedule_summary(model: torch.nn.Module) -> list[dict]:
-    """Per layer: the transport schedule in use and, after an `auto` decision, each candidate's median step
-    seconds (slowest rank)."""
-    return [{"layer": i, "schedule": core.schedule, "timings_s": core.schedule_timings}
+    """Per layer: the transport schedule in use; after an `auto` decision, each candidate's median step
+    seconds (slowest rank), and, once `auto` has a choice to make, the cost model's input (`model`:
+    `predicted_comm_s` per candidate, the candidates it `pruned`)."""
+    return [{"layer": i, "schedule": core.schedule, "timings_s": core.schedule_timings, "model": core.schedule_model}
             for i, core in enumerate(layer_cores(model))]
 
 

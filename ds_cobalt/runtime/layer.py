@@ -36,9 +36,11 @@ from ..planner.layout import contiguous_layout
 from .comm import group_capacity
 from .dense import dense_moe, expert_locations
 from .dispatch import deepspeed_remote_routes
+from .link_probe import probe_links
 from .moe_exchange import OverlapSettings, bind, moe_exchange, slot_experts
 from .placement import LayerPlacement, build_placement
 from .replicas import ReplicaPlan, plan_replicas
+from .schedule_model import gather_routing, hardware_of, model_pruned, predict_comm_seconds
 from .stats import DeviceRoutingStats
 from .tile_tuner import OverlapTuner, StepTimedChoice
 from .topology import EPGroups, Topology
@@ -48,6 +50,7 @@ from .traffic import StepTraffic, TrafficCounters
 Piece = tuple[torch.nn.Parameter, "int | None"]
 
 HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
+_MODEL_SAMPLE_TOKENS = 512  # routes per rank the cost model counts rows on (scaled to the rank's tokens)
 
 # A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
 _log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
@@ -216,6 +219,15 @@ class LayerCore:
         """Median step seconds per candidate of the last `auto` decision (slowest rank), empty before one."""
         return {} if self._chooser is None else dict(self._chooser.medians)
 
+    @property
+    def schedule_model(self) -> dict:
+        """The cost model's input to the current `auto` choice: `predicted` communication seconds per candidate
+        (one layer, forward + backward) and the candidates it `pruned`; empty without a choice to make."""
+        chooser = self._chooser
+        if chooser is None or not chooser.predicted:
+            return {}
+        return {"predicted_comm_s": dict(chooser.predicted), "pruned": list(chooser.pruned)}
+
     # ----- training state and hooks ----------------------------------------------------------------
     def expert_state_pieces(self, slot: int) -> list[Piece]:
         """The training state of the expert in owner slot `slot`, as pieces."""
@@ -244,6 +256,9 @@ class LayerCore:
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
         gate gives them; computed here otherwise), for the `dense` schedule."""
         topo = self.topology
+        if self._chooser.wants_model:
+            self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
+                                  capacity_is_local or locations_TK is None)
         schedule = self._pick_schedule(x_TD.device)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE:
@@ -288,13 +303,31 @@ class LayerCore:
         self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, topo), row_bytes)
         return out_TD
 
+    def _model_schedules(self, topk_ids_TK: torch.Tensor, row_bytes: int, capacity: torch.Tensor | int,
+                         dropless: bool) -> None:
+        """Orders and prunes the `auto` candidates with the cost model (`schedule_model`), once per layout:
+        one link probe (cached), one all-gather of sampled routes and of each rank's dense capacity."""
+        groups = self.groups
+        costs = probe_links(groups, topk_ids_TK.device)
+        if dropless:  # dense's C is the largest (rank, expert) count: the gate's, or the dropless one of AutoEP
+            local = torch.bincount(topk_ids_TK[topk_ids_TK >= 0].reshape(-1), minlength=self.num_experts).max()
+        else:
+            local = torch.as_tensor(capacity)
+        topk, src, scale, capacity_W = gather_routing(topk_ids_TK, groups, _MODEL_SAMPLE_TOKENS, local)
+        predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,
+                                         self.topology.ranks_per_node, self.num_experts, int(capacity_W.max()),
+                                         row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless)
+        self._chooser.use_model(predicted, model_pruned(predicted, costs.fixed_s))
+
     def _pick_schedule(self, device: torch.device) -> str:
         chooser = self._chooser
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
         if not decided and chooser.chosen is not None and self.topology.rank == 0:
-            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s)", chooser.chosen,
-                      {c: round(t, 5) for c, t in chooser.medians.items()})
+            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s; model's communication "
+                      "seconds %s, ruled out by it: %s)", chooser.chosen,
+                      {c: round(t, 5) for c, t in chooser.medians.items()},
+                      {c: round(t, 5) for c, t in chooser.predicted.items()}, chooser.pruned or "none")
         return schedule
 
     def _dense_group_capacity(self, capacity: torch.Tensor | int, is_local: bool, device: torch.device) -> int | None:

@@ -134,14 +134,32 @@ class StepTimedChoice:
     group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides)."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1) -> None:
-        self.candidates = list(candidates)
-        self.trials = [self.candidates[0]] * warmup + self.candidates * repeats
+        self.repeats = repeats
         self.warmup = warmup
-        self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
-        self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 else None
         self.medians: dict[str, float] = {}
+        self.predicted: dict[str, float] = {}  # the cost model's seconds per candidate (`use_model`)
+        self.pruned: list[str] = []  # candidates the model ruled out
         self._trial = 0
         self._started: float | None = None
+        self._set_candidates(list(candidates))
+
+    def _set_candidates(self, candidates: list[str]) -> None:
+        self.candidates = candidates
+        self.trials = [candidates[0]] * self.warmup + candidates * self.repeats
+        self.times: dict[str, list[float]] = {c: [] for c in candidates}
+        self.chosen: str | None = candidates[0] if len(candidates) == 1 else None
+
+    @property
+    def wants_model(self) -> bool:
+        """True before the first trial of a choice between several candidates that no model has ordered yet."""
+        return self.chosen is None and self._trial == 0 and self._started is None and not self.predicted
+
+    def use_model(self, predicted: dict[str, float], pruned: Sequence[str]) -> None:
+        """Before the trials: leave out `pruned` and time the rest best-predicted first (it also takes the
+        warm-up step). The same on every rank (the prediction is computed from gathered data)."""
+        self.predicted, self.pruned = dict(predicted), [c for c in self.candidates if c in pruned]
+        kept = sorted((c for c in self.candidates if c not in self.pruned), key=lambda c: predicted.get(c, 0.0))
+        self._set_candidates(kept or self.candidates[:1])
 
     def pick(self, device: torch.device, groups: EPGroups) -> str:
         """The candidate this forward runs with (closing the previous trial first, if `step_end` did not)."""

@@ -29,7 +29,8 @@ from ..planner.layout import Layout
 from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
-__all__ = ["LayerRows", "deepspeed_rows", "cobalt_rows", "direct_rows", "layer_times", "predict_step_times", "VARIANTS",
+__all__ = ["LayerRows", "deepspeed_rows", "padded_rows", "scaled_rows", "cobalt_rows", "direct_rows", "layer_times",
+           "predict_step_times", "VARIANTS",
            "predict_synthetic", "format_prediction", "step_of_tokens"]
 
 VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap", "cobalt-direct", "cobalt-dense")
@@ -56,7 +57,7 @@ class LayerRows:
     routes_in_W: np.ndarray
 
 
-def _scaled(rows: LayerRows, factor: float) -> LayerRows:
+def scaled_rows(rows: LayerRows, factor: float) -> LayerRows:
     return LayerRows(*(np.asarray(a, dtype=np.float64) * factor for a in (
         rows.inter_out_W, rows.inter_in_W, rows.intra_out_W, rows.intra_in_W, rows.compute_W, rows.routes_out_W,
         rows.routes_in_W)))
@@ -87,14 +88,20 @@ def deepspeed_rows(topk_TK: np.ndarray, src_T: np.ndarray, E: int, N: int, G: in
             C = int(count_WE.max()) if count_WE.size else 0
         else:
             C = int(max(min_capacity, np.ceil(tokens_W.max() / E * capacity_factor * K))) if tokens_W.size else 0
-        chunk = (E // W) * C  # rows from one GPU to one GPU
-        inter = np.full(W, (W - G) * chunk, dtype=np.int64)
-        intra = np.full(W, (G - 1) * chunk, dtype=np.int64)
-        return LayerRows(inter, inter, intra, intra, np.full(W, E * C, dtype=np.int64), zero, zero)
+        return padded_rows(E, C, W, G)
     src_X = np.broadcast_to(src_T[:, None], topk_TK.shape)[valid_TK]
     dst_X = topk_TK[valid_TK] // (E // W)
     io, ii, ao, ai = _pair_rows(src_X, dst_X, W, G)
     return LayerRows(io, ii, ao, ai, np.bincount(dst_X, minlength=W), zero, zero)
+
+
+def padded_rows(E: int, C: int, W: int, G: int) -> LayerRows:
+    """DeepSpeed's padded all-to-all (and the dense schedule): `[E / W, C]` rows from every GPU to every GPU."""
+    chunk = (E // W) * C  # rows from one GPU to one GPU
+    inter = np.full(W, (W - G) * chunk, dtype=np.int64)
+    intra = np.full(W, (G - 1) * chunk, dtype=np.int64)
+    zero = np.zeros(W, dtype=np.int64)
+    return LayerRows(inter, inter, intra, intra, np.full(W, E * C, dtype=np.int64), zero, zero)
 
 
 def cobalt_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int) -> LayerRows:
@@ -302,7 +309,7 @@ def predict_step_times(
                         cache["cobalt"] = cobalt_rows(topk_TK, src, slots_WS, G)
                     rows = cache["cobalt"]
                 if rows_scale != 1.0:
-                    rows = _scaled(rows, rows_scale)
+                    rows = scaled_rows(rows, rows_scale)
                 t = layer_times(rows, v, hw, shape, G, replica_slots if v.startswith("cobalt") else 0,
                                 dropless=capacity_factor is None)
                 acc["step_s"][v] += t["total_s"] * layer_scale / steps

@@ -90,4 +90,5 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     names = {name for name, _, step in written[1:]}
     assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_hierarchical" in names
     assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
-    assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {}}]
+    assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {},
+                                                         "model": {}}]

@@ -32,7 +32,7 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
                   use_residual=case.get("residual", False), noisy_gate_policy=case.get("noise"))
     ref = DeepSpeedMoE(D, copy.deepcopy(expert), E, **kwargs)  # use_residual keeps `expert` itself as mlp
     cfg = parse_cobalt_config({"topology": {"ranks_per_node": case.get("ranks_per_node", 2)},
-                               "overlap": case.get("overlap", {}), "transport": case.get("transport", {})})
+                               "overlap": case.get("overlap", {}), "transport": case.get("transport", HIERARCHICAL)})
     ours = ds_cobalt.MoE(D, copy.deepcopy(expert), E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     dtype = getattr(torch, case.get("dtype", "float32"))
@@ -65,9 +65,11 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     results["routed_ids"] = ours.trace_rows[0].numpy()
     results["dropped_routes"] = int((ours.trace_rows[0] < 0).sum())
     results["schedule"] = ours.cobalt_core.schedule
+    results["schedule_model"] = ours.cobalt_core.schedule_model
     return results
 
 
+HIERARCHICAL = {"schedule": "hierarchical"}  # cases without a prefix test the hierarchical schedule
 DIRECT = {"schedule": "direct"}
 DENSE = {"schedule": "dense"}
 CASES = {
@@ -206,9 +208,13 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
 def test_schedule_in_use(parity_results) -> None:
     for prefix in ("direct", "dense"):
         assert all(r["schedule"] == prefix for name in CASES if name.startswith(prefix) for r in parity_results[name])
-    # the default is `auto`: still timing after one forward (its first trial runs the hierarchical schedule)
-    assert all(r["schedule"] is None for r in parity_results["k2_dropless_uneven"])
-    assert all(r["schedule"] is None for r in parity_results["auto_first_forward"])
+    assert all(r["schedule"] == "hierarchical" for r in parity_results["k2_dropless_uneven"])
+    # `auto`: still timing after one forward (its first trial runs the best-predicted schedule)
+    auto = parity_results["auto_first_forward"]
+    assert all(r["schedule"] is None for r in auto)
+    # the cost model saw the same gathered routes on every rank: one prediction for all
+    assert all(r["schedule_model"] == auto[0]["schedule_model"] for r in auto)
+    assert set(auto[0]["schedule_model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}
     # with overlap on, `auto` means the overlapped (hierarchical) schedule
     assert all(r["schedule"] == "hierarchical" for r in parity_results["overlap_k2_dropless_tiles"])
 

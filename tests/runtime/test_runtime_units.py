@@ -95,6 +95,7 @@ def test_topology_detection_and_errors() -> None:
     ({"topolgy": {}}, r"cobalt\.topolgy: unknown key"),
     ({"topology": {"ranks_per_node": 0}}, r"cobalt\.topology\.ranks_per_node: Input should be greater than 0"),
     ({"topology": {"ranks_per_node": "2"}}, r"cobalt\.topology\.ranks_per_node: Input should be a valid integer"),
+    ({"topology": {"group_timeout_s": 0}}, r"cobalt\.topology\.group_timeout_s: Input should be greater than 0"),
     ({"traffic": {"log_interval": -1}}, r"cobalt\.traffic\.log_interval"),
     ({"trace": {"steps": 0}}, r"cobalt\.trace\.steps"),
     ([1], r"cobalt: expected an object"),
@@ -257,3 +258,60 @@ def test_step_timed_choice_ends_trials_at_the_optimizer_step(monkeypatch) -> Non
         chooser.step_end(torch.device("cpu"))
         now["t"] += 10.0 if pick == "dense" else 0.0  # slow work after dense's steps: not dense's cost
     assert chooser.chosen == "dense" and chooser.medians == {"hierarchical": 2.0, "dense": 1.0}
+
+
+def test_step_timed_choice_follows_the_model() -> None:
+    """The model's order: the best-predicted candidate takes the warm-up and the first trial; pruned ones never
+    run; with everything pruned but one, it is chosen at once."""
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    chooser = StepTimedChoice(["hierarchical", "direct", "dense"], repeats=2, warmup=1)
+    assert chooser.wants_model
+    chooser.use_model({"hierarchical": 3.0, "direct": 2.0, "dense": 1.0}, ["hierarchical"])
+    assert not chooser.wants_model
+    assert chooser.trials == ["dense", "dense", "direct", "dense", "direct"] and chooser.pruned == ["hierarchical"]
+    alone = StepTimedChoice(["hierarchical", "dense"])
+    alone.use_model({"hierarchical": 1.0, "dense": 5.0}, ["dense"])
+    assert alone.chosen == "hierarchical" and alone.candidates == ["hierarchical"]
+
+
+def _routing(rng, E: int, K: int, W: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Skewed routes (a few hot experts), `tokens` per rank."""
+    weights = rng.dirichlet(np.full(E, 0.5))
+    topk = np.stack([rng.choice(E, size=K, replace=False, p=weights) for _ in range(tokens * W)])
+    return topk, np.repeat(np.arange(W), tokens)
+
+
+def test_schedule_model_prices_calls_on_fast_links_and_bytes_on_slow_ones() -> None:
+    """Exact row counts from the routes under the layout, priced like the simulator: on a fast link the
+    fewest collectives win (dense and direct: DeepSpeed's calls), on a slow one the fewest cross-node bytes
+    (hierarchical), and a fine-grained top-6 layer's padded exchange is ruled out by the model alone."""
+    from ds_cobalt.runtime.link_probe import LinkCosts
+    from ds_cobalt.runtime.schedule_model import hardware_of, model_pruned, predict_comm_seconds
+
+    rng = np.random.default_rng(0)
+    W, G, row_bytes, fixed = 4, 2, 256, 3e-3
+    candidates = ["hierarchical", "direct", "dense"]
+    fast = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=1e10, intra_node_bytes_per_s=1e10, probe_bytes=1)
+    # 100 Mbit/s shared by the node's 2 ranks
+    slow = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=6.25e6, intra_node_bytes_per_s=1e9, probe_bytes=1)
+    for E, K, slow_order, slow_pruned in ((8, 2, ["hierarchical", "direct", "dense"], []),
+                                          (32, 6, ["hierarchical", "direct", "dense"], ["dense"])):
+        topk, src = _routing(rng, E, K, W, 256)
+        capacity = max(int(np.bincount(topk[src == r].ravel(), minlength=E).max()) for r in range(W))  # dropless
+        slots = contiguous_layout(E, 2, G).layer(0)
+        args = (topk, src, 1.0, slots, G, E, capacity, row_bytes)
+        on_fast = predict_comm_seconds(candidates, *args, hardware_of(fast, G), dropless=True)
+        on_slow = predict_comm_seconds(candidates, *args, hardware_of(slow, G), dropless=True)
+        assert model_pruned(on_fast, fixed) == []
+        # the fixed cost dominates: dense 4 all-to-alls + the capacity all-reduce, direct 1 + 4, hierarchical 1 + 8
+        assert on_fast["dense"] == pytest.approx(5 * fixed, rel=0.05)
+        assert on_fast["direct"] == pytest.approx(5 * fixed, rel=0.05)
+        assert on_fast["hierarchical"] == pytest.approx(9 * fixed, rel=0.05)
+        assert sorted(on_slow, key=on_slow.get) == slow_order
+        assert model_pruned(on_slow, fixed) == slow_pruned
+        # twice the tokens in the sample's scale: the bytes double, the calls stay
+        doubled = predict_comm_seconds(["hierarchical"], topk, src, 2.0, *args[3:], hardware_of(slow, G),
+                                       dropless=True)
+        bytes_part = on_slow["hierarchical"] - 9 * fixed
+        assert doubled["hierarchical"] - 9 * fixed == pytest.approx(2 * bytes_part, rel=1e-6)

@@ -1,0 +1,88 @@
+"""The cost model behind `transport.schedule: "auto"`: each schedule's communication time for one layer.
+
+It is the simulator's model (`ds_cobalt.sim.cluster.layer_times`: a fixed cost per collective plus the slowest
+rank's bytes over the link they cross), on the probed `LinkCosts` of the real groups and on rows counted from
+this layer's routing under its current layout: every rank contributes its first `sample_tokens` routes (one
+all-gather, once per layout), and all ranks then compute the same numbers. Compute and CPU work are not in it
+(the same model would need per-schedule CPU costs that differ by machine), so the model only decides where
+communication alone settles it, and the timed steps (`StepTimedChoice`) decide the rest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..sim.cluster import cobalt_rows, direct_rows, layer_times, padded_rows, scaled_rows
+from ..sim.hardware import Hardware, ModelShape
+from .comm import group_size
+from .link_probe import LinkCosts
+from .topology import EPGroups
+
+_SIM_VARIANT = {"hierarchical": "cobalt", "direct": "cobalt-direct", "dense": "cobalt-dense"}
+
+
+def hardware_of(costs: LinkCosts, ranks_per_node: int) -> Hardware:
+    """The simulator's `Hardware` for the probed links: every rank of a node sends across at once in the probe,
+    so a node's link carries `ranks_per_node` times one rank's rate."""
+    inter = costs.inter_node_bytes_per_s
+    return Hardware(name="probed", gpus_per_node=ranks_per_node, inter_node_bw_gpu=inter,
+                    inter_node_bw_node=inter * ranks_per_node, intra_node_bw=costs.intra_node_bytes_per_s,
+                    latency_s=0.0, collective_overhead_s=costs.fixed_s, gemm_flops=float("inf"),
+                    source="runtime/link_probe.py")
+
+
+def gather_routing(topk_ids_TK: torch.Tensor, groups: EPGroups, sample_tokens: int,
+                   capacity: torch.Tensor | int) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """On every rank, through one all-gather over the EP group: `[X, K]` sampled routes of every EP rank (its
+    first `sample_tokens` tokens), `[X]` their EP ranks, tokens per sampled token, and `[W]` each rank's
+    `capacity` (C of the dense schedule)."""
+    T, K = topk_ids_TK.shape
+    sample = torch.full((sample_tokens + 2, K), -1, dtype=torch.int64, device=topk_ids_TK.device)
+    n = min(T, sample_tokens)
+    sample[:n] = topk_ids_TK[:n].to(torch.int64)
+    sample[-2, 0] = T  # the rank's token count and capacity ride along
+    sample[-1, 0] = torch.as_tensor(capacity, device=sample.device).to(torch.int64)
+    W = group_size(groups.ep_group)
+    if W > 1:
+        parts = [torch.empty_like(sample) for _ in range(W)]
+        dist.all_gather(parts, sample, group=groups.ep_group)
+        gathered = torch.stack(parts)
+    else:
+        gathered = sample[None]
+    gathered = gathered.cpu().numpy()  # NOTE: host sync, once per layout
+    routes = gathered[:, :-2]
+    keep = (routes >= 0).any(axis=2)
+    src = np.broadcast_to(np.arange(W)[:, None], keep.shape)[keep]
+    scale = float(gathered[:, -2, 0].sum()) / max(int(keep.sum()), 1)
+    return routes[keep], src, scale, gathered[:, -1, 0]
+
+
+def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.ndarray, scale: float,
+                         slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, capacity: int,
+                         row_bytes: int, hardware: Hardware, dropless: bool) -> dict[str, float]:
+    """Predicted communication seconds of one layer, forward + backward, per candidate schedule."""
+    W = slots_WS.shape[0]
+    G = ranks_per_node
+    shape = ModelShape(num_experts=num_experts, top_k=max(1, topk_XK.shape[1]), hidden=row_bytes, ffn=1,
+                       dtype_bytes=1)
+    spare = int((slots_WS >= 0).sum(axis=1).max()) - num_experts // W
+    out = {}
+    for c in candidates:
+        if c == "dense":
+            rows = padded_rows(num_experts, capacity, W, G)
+        else:
+            rows = (cobalt_rows if c == "hierarchical" else direct_rows)(topk_XK, src_X, slots_WS, G)
+            rows = scaled_rows(rows, scale)
+        out[c] = layer_times(rows, _SIM_VARIANT[c], hardware, shape, G, spare if c != "dense" else 0,
+                             dropless=dropless and c == "dense")["comm_s"]
+    return out
+
+
+def model_pruned(predicted: dict[str, float], fixed_s: float, ratio: float = 2.0, calls: float = 10.0) -> list[str]:
+    """Candidates that communication alone rules out: predicted at least `ratio` times the best prediction and
+    more than `calls` collectives' fixed cost above it (so CPU work that the model leaves out cannot close the
+    gap). The best candidate is never pruned."""
+    best = min(predicted.values())
+    return [c for c, t in predicted.items() if t >= ratio * best and t - best > calls * fixed_s]
