@@ -20,9 +20,13 @@ class _Section(BaseModel):
 
 
 class TopologyConfig(_Section):
-    """How ranks group into nodes. `ranks_per_node` overrides the launcher's LOCAL_WORLD_SIZE."""
+    """How ranks group into nodes. `ranks_per_node` overrides the launcher's LOCAL_WORLD_SIZE.
+    `group_timeout_s`: the longest any collective on ds_cobalt's own process groups (rails, nodes, its copy of
+    each EP group) waits for a peer before it fails with an error (a lost peer is an error, not a hang); DeepSpeed's
+    groups keep `deepspeed.init_distributed`'s timeout."""
 
     ranks_per_node: int | None = Field(default=None, gt=0)
+    group_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class TrafficConfig(_Section):

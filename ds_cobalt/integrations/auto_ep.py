@@ -187,7 +187,8 @@ def adopt_auto_ep_layers(
                 "ds_cobalt: AutoEP layer has no expert-parallel group; call deepspeed.initialize first"
             )
         ep_group = layer.ep_group if layer.ep_size > 1 else None
-        groups = build_ep_groups(ep_group, ranks_per_node) if layer.ep_size > 1 else _single_rank_groups()
+        groups = (build_ep_groups(ep_group, ranks_per_node, config.topology.group_timeout_s) if layer.ep_size > 1
+                  else _single_rank_groups())
         adopted.append(CobaltAutoEPLayer.adopt(layer, config, groups))
     return adopted
 

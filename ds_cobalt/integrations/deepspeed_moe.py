@@ -59,7 +59,8 @@ class MoE(CoreAccess, DeepSpeedMoE):
         super()._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         ranks_per_node = detect_ranks_per_node(dist.get_world_size(), self.cobalt_config.topology.ranks_per_node,
                                                rank=dist.get_rank())
-        self.cobalt_core.attach(build_ep_groups(self.deepspeed_moe.ep_group, ranks_per_node))
+        self.cobalt_core.attach(build_ep_groups(self.deepspeed_moe.ep_group, ranks_per_node,
+                                                     self.cobalt_config.topology.group_timeout_s))
 
     def _ensure_groups(self) -> None:
         """A one-rank layer used without `deepspeed.initialize` gets a group of its own."""

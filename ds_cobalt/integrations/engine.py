@@ -11,6 +11,7 @@ import deepspeed
 import torch
 
 from ..config import CobaltConfig, split_deepspeed_config
+from . import peer_watch
 from .auto_ep import adopt_auto_ep_layers
 from .cobalt_engine import CobaltEngine
 from .layers import cobalt_layers, layer_cores, traffic_summary
@@ -46,6 +47,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     ds_config, cobalt = split_deepspeed_config(config)
     configure_layers(model, cobalt)
     result = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
+    peer_watch.install()  # a failing rank names the peers that died first
     engine = result[0]
     if ds_config.get("expert_parallel", {}).get("enabled"):  # AutoEP replaced the MoE blocks just now
         adopt_auto_ep_layers(engine, cobalt)

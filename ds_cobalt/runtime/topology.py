@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Mapping
 
 import torch.distributed as dist
@@ -89,8 +90,11 @@ def detect_ranks_per_node(world_size: int, override: int | None = None,
 _GROUP_CACHE: dict[tuple, EPGroups] = {}
 
 
-def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int) -> EPGroups:
-    """Create (once per EP layout) the rail and node groups for every EP group; return this rank's.
+def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int,
+                    timeout_s: float | None = None) -> EPGroups:
+    """Create (once per EP layout) the rail and node groups for every EP group, and a copy of the EP group for
+    ds_cobalt's own collectives; return this rank's. `timeout_s`: their collectives' timeout (None: the
+    default group's).
 
     `ranks_per_node` counts *global* ranks per node; nodes are blocks of consecutive global ranks,
     as the DeepSpeed launcher assigns them. Collective: every rank must call it in the same order.
@@ -99,7 +103,7 @@ def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int) -> 
     if world % ranks_per_node != 0:
         raise ValueError(f"world size {world} is not divisible by ranks_per_node={ranks_per_node}")
     my_ep_ranks = tuple(dist.get_process_group_ranks(ep_group)) if ep_group is not None else tuple(range(world))
-    key = (my_ep_ranks, ranks_per_node)
+    key = (my_ep_ranks, ranks_per_node, timeout_s)
     if key in _GROUP_CACHE:
         return _GROUP_CACHE[key]
 
@@ -107,21 +111,22 @@ def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int) -> 
     dist.all_gather_object(all_ep, my_ep_ranks)
     ep_groups = sorted(set(all_ep))  # identical order on every rank
 
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     mine: dict[str, dist.ProcessGroup | None] = {}
     topology = None
     for members in ep_groups:
         nodes = _split_by_node(members, ranks_per_node)
         per_node = len(nodes[0])
         rails = [tuple(node[j] for node in nodes) for j in range(per_node)]
-        for name, rank_sets in (("rail", rails), ("node", nodes)):
+        for name, rank_sets in (("ep", [members]), ("rail", rails), ("node", nodes)):
             for ranks in rank_sets:
-                group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
                 if dist.get_rank() in ranks and members == my_ep_ranks:
                     mine[name] = group
         if members == my_ep_ranks:
             topology = Topology(len(members), per_node, members.index(dist.get_rank()))
     assert topology is not None
-    groups = EPGroups(topology, my_ep_ranks, ep_group, mine.get("rail"), mine.get("node"))
+    groups = EPGroups(topology, my_ep_ranks, mine.get("ep"), mine.get("rail"), mine.get("node"))
     _GROUP_CACHE[key] = groups
     return groups
 

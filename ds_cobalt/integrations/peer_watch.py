@@ -1,0 +1,106 @@
+"""Which rank died: the surviving ranks name the peer on their host that was killed or failed.
+
+A rank killed by the OS (SIGKILL, the OOM killer) prints nothing itself. Its peers then fail too: their next
+collective with it raises (gloo and NCCL see the closed connection; a peer that vanishes without closing
+one runs into ds_cobalt's group timeout, `cobalt.topology.group_timeout_s`), or the launcher stops them
+(DeepSpeed's `launch.py` terminates every rank once one exits non-zero), often before they log anything useful.
+`install` (called by `ds_cobalt.initialize`, one `all_gather_object` over the world group) records every rank's
+host and pid and starts a daemon thread that reads its host's peers' `/proc/<pid>/stat` every 0.25 s. The first
+peer that becomes a zombie (dead, not yet reaped by its launcher) with a signal or a non-zero exit status is
+logged as `ds_cobalt: rank R (local rank L, pid P) on HOST died (killed by SIGKILL)` or `(exit status N)`; the
+deaths after it are mostly the launcher stopping the rest and are not logged, nor are clean exits. An uncaught
+exception checks once more before the traceback. Ranks on other hosts are not checked (their host's ranks
+report them). Linux only (`/proc`); elsewhere nothing is watched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch.distributed as dist
+
+_log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
+
+
+@dataclass(frozen=True)
+class Peer:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+
+
+_PEERS: list[Peer] = []
+_REPORTED: set[int] = set()  # ranks already logged
+
+
+def _death(pid: int) -> str | None:
+    """How `pid` died, if it is a zombie that was killed or exited non-zero (None: running, clean, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])  # exit_code (field 52 of stat), as waitpid reports it
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exit status {status >> 8}" if status >> 8 else None
+
+
+def _check(reason: str | None = None) -> Peer | None:
+    """Log the first dead peer of this host (once per process: the deaths after it are mostly the launcher
+    stopping the rest); returns it."""
+    if _REPORTED:
+        return None
+    host, me = socket.gethostname(), os.getpid()
+    for p in _PEERS:
+        if p.host != host or p.pid == me:
+            continue
+        death = _death(p.pid)
+        if death is None:
+            continue
+        _REPORTED.add(p.rank)
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        message = (f"ds_cobalt: rank {p.rank} (local rank {p.local_rank}, pid {p.pid}) on {p.host} died ({death}); "
+                   f"seen by rank {rank}" + (f" ({reason})" if reason else ""))
+        _log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        return p
+    return None
+
+
+def _watch(interval_s: float) -> None:
+    while not _REPORTED:
+        _check()
+        time.sleep(interval_s)
+
+
+def install(interval_s: float = 0.25) -> None:
+    """Record every rank's host and pid (collective on the world group, once), start the watcher thread and
+    hook uncaught exceptions (module docstring); the previous excepthook still runs afterwards."""
+    if _PEERS or not (dist.is_available() and dist.is_initialized()):
+        return
+    me = (int(os.environ.get("LOCAL_RANK", -1)), socket.gethostname(), os.getpid())
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, me)
+    _PEERS.extend(Peer(rank, *entry) for rank, entry in enumerate(table))
+    if not os.path.isdir("/proc"):
+        return
+    threading.Thread(target=_watch, args=(interval_s,), name="ds_cobalt-peer-watch", daemon=True).start()
+    previous_hook = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        _check(f"{kind.__name__}: {value}".splitlines()[0][:200])
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = excepthook

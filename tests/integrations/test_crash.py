@@ -1,0 +1,91 @@
+"""A rank killed with SIGKILL under the real `deepspeed` launcher never hangs the job.
+
+`crash_job.py` trains 4 CPU ranks (2 nodes x 2) and rank 1 SIGKILLs itself mid-forward, between an asynchronous
+migration's transfer and its commit, or during `save_checkpoint`. Each time the launcher must exit non-zero
+within 60 s of the kill, and the output must name rank 1, and only rank 1, as the rank that died (ds_cobalt's
+peer watch, `ds_cobalt/integrations/peer_watch.py`; the launcher's own message names another rank's command).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).with_name("crash_job.py")
+DEADLINE_S = 60
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kill_at", ["forward", "migration_commit", "save"])
+def test_sigkilled_rank_ends_the_job_and_is_named(tmp_path: Path, kill_at: str) -> None:
+    beside = Path(sys.executable).with_name("deepspeed")
+    deepspeed_bin = str(beside) if beside.exists() else shutil.which("deepspeed")
+    assert deepspeed_bin, "the deepspeed launcher is not on PATH (pip install -e .[test])"
+    port = free_port()
+    cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(port), str(JOB), "--out", str(tmp_path),
+           "--kill-at", kill_at, "--kill-rank", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    pid_file = tmp_path / "rank1.pid"
+    killed_at = None
+    try:
+        start = time.monotonic()
+        while proc.poll() is None and time.monotonic() - start < 300:  # start-up, then the kill
+            if killed_at is None and pid_file.exists() and pid_file.read_text() and \
+                    not _pid_alive(int(pid_file.read_text())):
+                killed_at = time.monotonic()
+            if killed_at is not None and time.monotonic() - killed_at > DEADLINE_S:
+                break
+            time.sleep(0.2)
+        ended = proc.poll() is not None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+        # DeepSpeed's CPU shared-memory comm buffers of killed ranks stay in /dev/shm (about 60 MB each)
+        for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
+    log = out[-6000:]
+    assert ended, f"the job still ran {DEADLINE_S} s after rank 1 died:\n{log}"
+    assert proc.returncode != 0, log
+    assert "finished without a kill" not in out, log
+    assert "ds_cobalt: rank 1 (local rank 1" in out and "died (killed by SIGKILL)" in out, log
+    assert "ds_cobalt: rank 0 " not in out and "ds_cobalt: rank 2 " not in out, log  # only the killed rank
+
+
+def test_peer_watch_tells_killed_and_failed_from_clean_exits() -> None:
+    import signal
+
+    from ds_cobalt.integrations.peer_watch import _death
+
+    killed = subprocess.Popen(["sleep", "30"])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    clean = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.kill(killed.pid, signal.SIGKILL)
+    for child in (killed, failed, clean):  # zombies until reaped: wait for the exit without reaping
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    assert _death(killed.pid) == "killed by SIGKILL"
+    assert _death(failed.pid) == "exit status 3"
+    assert _death(clean.pid) is None and _death(os.getpid()) is None
+    for child in (killed, failed, clean):
+        child.wait()
+    assert _death(killed.pid) is None  # reaped: gone, nothing to tell
