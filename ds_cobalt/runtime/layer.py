@@ -23,6 +23,7 @@ each layout change (`StepTimedChoice`) and keeps the faster; the choice is logge
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
@@ -50,7 +51,9 @@ from .traffic import StepTraffic, TrafficCounters
 Piece = tuple[torch.nn.Parameter, "int | None"]
 
 HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
-_MODEL_SAMPLE_TOKENS = 512  # routes per rank the cost model counts rows on (scaled to the rank's tokens)
+# tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
+# large groups so the gathered sample stays within 8192 tokens
+_MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL = 512, 8192
 
 # A child of DeepSpeed's logger (by name, no import): messages use its handlers and level.
 _log = logging.getLogger("DeepSpeed").getChild("ds_cobalt")
@@ -308,16 +311,22 @@ class LayerCore:
         """Orders and prunes the `auto` candidates with the cost model (`schedule_model`), once per layout:
         one link probe (cached), one all-gather of sampled routes and of each rank's dense capacity."""
         groups = self.groups
+        start = time.perf_counter()
         costs = probe_links(groups, topk_ids_TK.device)
+        probed = time.perf_counter()
         if dropless:  # dense's C is the largest (rank, expert) count: the gate's, or the dropless one of AutoEP
             local = torch.bincount(topk_ids_TK[topk_ids_TK >= 0].reshape(-1), minlength=self.num_experts).max()
         else:
             local = torch.as_tensor(capacity)
-        topk, src, scale, capacity_W = gather_routing(topk_ids_TK, groups, _MODEL_SAMPLE_TOKENS, local)
+        per_rank = max(16, min(_MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL // self.topology.world_size))
+        topk, src, scale, capacity_W = gather_routing(topk_ids_TK, groups, per_rank, local)
         predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,
                                          self.topology.ranks_per_node, self.num_experts, int(capacity_W.max()),
                                          row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless)
         self._chooser.use_model(predicted, model_pruned(predicted, costs.fixed_s))
+        if self.topology.rank == 0:
+            _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
+                      time.perf_counter() - start, probed - start)
 
     def _pick_schedule(self, device: torch.device) -> str:
         chooser = self._chooser

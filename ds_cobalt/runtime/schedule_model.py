@@ -18,6 +18,7 @@ from ..sim.cluster import cobalt_rows, direct_rows, layer_times, padded_rows, sc
 from ..sim.hardware import Hardware, ModelShape
 from .comm import group_size
 from .link_probe import LinkCosts
+from .placement import assign_tasks, build_placement
 from .topology import EPGroups
 
 _SIM_VARIANT = {"hierarchical": "cobalt", "direct": "cobalt-direct", "dense": "cobalt-dense"}
@@ -59,10 +60,24 @@ def gather_routing(topk_ids_TK: torch.Tensor, groups: EPGroups, sample_tokens: i
     return routes[keep], src, scale, gathered[:, -1, 0]
 
 
+def _destinations(topk_XK: np.ndarray, src_X: np.ndarray, slots_WS: np.ndarray, ranks_per_node: int,
+                  num_experts: int) -> np.ndarray:
+    """`[X, K]` destination ranks as the runtime assigns them (`placement.assign_tasks`, per source rank)."""
+    placement = build_placement(slots_WS, ranks_per_node, num_experts)
+    dest = np.full(topk_XK.shape, -1, dtype=np.int64)
+    topk = torch.from_numpy(np.ascontiguousarray(topk_XK))
+    for src in np.unique(src_X):
+        rows = np.flatnonzero(src_X == src)
+        dest[rows] = assign_tasks(topk[torch.from_numpy(rows)], placement, int(src))[0].numpy()
+    return dest
+
+
 def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.ndarray, scale: float,
                          slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, capacity: int,
                          row_bytes: int, hardware: Hardware, dropless: bool) -> dict[str, float]:
-    """Predicted communication seconds of one layer, forward + backward, per candidate schedule."""
+    """Predicted communication seconds of one layer, forward + backward, per candidate schedule (rows from the
+    runtime's own task assignment: the hierarchical schedule's on the real nodes, the direct one's on the flat
+    view, every rank its own node)."""
     W = slots_WS.shape[0]
     G = ranks_per_node
     shape = ModelShape(num_experts=num_experts, top_k=max(1, topk_XK.shape[1]), hidden=row_bytes, ffn=1,
@@ -73,7 +88,9 @@ def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.n
         if c == "dense":
             rows = padded_rows(num_experts, capacity, W, G)
         else:
-            rows = (cobalt_rows if c == "hierarchical" else direct_rows)(topk_XK, src_X, slots_WS, G)
+            ranks_per_node_of = G if c == "hierarchical" else 1
+            dest = _destinations(topk_XK, src_X, slots_WS, ranks_per_node_of, num_experts)
+            rows = (cobalt_rows if c == "hierarchical" else direct_rows)(topk_XK, src_X, slots_WS, G, dest)
             rows = scaled_rows(rows, scale)
         out[c] = layer_times(rows, _SIM_VARIANT[c], hardware, shape, G, spare if c != "dense" else 0,
                              dropless=dropless and c == "dense")["comm_s"]

@@ -104,11 +104,14 @@ def padded_rows(E: int, C: int, W: int, G: int) -> LayerRows:
     return LayerRows(inter, inter, intra, intra, np.full(W, E * C, dtype=np.int64), zero, zero)
 
 
-def cobalt_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int) -> LayerRows:
-    """ds_cobalt's two-stage dispatch (runtime/dispatch.py) on `slots_WS` with replicas from `assign_tasks`."""
+def cobalt_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int,
+                dest_TK: np.ndarray | None = None) -> LayerRows:
+    """ds_cobalt's two-stage dispatch (runtime/dispatch.py) on `slots_WS` with replicas from `assign_tasks`
+    (or the given `[T, K]` destination ranks `dest_TK`, -1 = dropped)."""
     W = slots_WS.shape[0]
     N = W // G
-    dest_TK, _ = assign_tasks(topk_TK, src_T, slots_WS, G)
+    if dest_TK is None:
+        dest_TK, _ = assign_tasks(topk_TK, src_T, slots_WS, G)
     valid_TK = dest_TK >= 0
     t_X = np.broadcast_to(np.arange(topk_TK.shape[0])[:, None], dest_TK.shape)[valid_TK]
     dst_X = dest_TK[valid_TK]
@@ -132,11 +135,14 @@ def cobalt_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G:
                      routes_in)
 
 
-def direct_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int) -> LayerRows:
+def direct_rows(topk_TK: np.ndarray, src_T: np.ndarray, slots_WS: np.ndarray, G: int,
+                dest_TK: np.ndarray | None = None) -> LayerRows:
     """ds_cobalt's direct schedule: tasks assigned on the flat view (every GPU its own node), one row per
-    (token, destination GPU) plus its routes; cross-node vs same-node by the destination's node."""
+    (token, destination GPU) plus its routes; cross-node vs same-node by the destination's node. `dest_TK`:
+    the destination ranks, if already assigned."""
     W = slots_WS.shape[0]
-    dest_TK, _ = assign_tasks(topk_TK, src_T, slots_WS, 1)
+    if dest_TK is None:
+        dest_TK, _ = assign_tasks(topk_TK, src_T, slots_WS, 1)
     valid_TK = dest_TK >= 0
     t_X = np.broadcast_to(np.arange(topk_TK.shape[0])[:, None], dest_TK.shape)[valid_TK]
     dst_X = dest_TK[valid_TK]
