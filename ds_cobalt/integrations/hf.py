@@ -30,6 +30,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ..config import CobaltConfig, parse_cobalt_config, split_deepspeed_config
+from . import peer_watch
 from .auto_ep import adopt_auto_ep_layers
 from .cobalt_engine import CobaltEngine
 from .engine import configure_layers
@@ -96,6 +97,7 @@ class CobaltCallback(TrainerCallback):
         if engine is not None and self._hooked_engine != id(engine) and layer_cores(engine):
             CobaltEngine.adopt(engine, config)
             self._hooked_engine = id(engine)
+        peer_watch.install()  # every rank runs on_train_begin: a failing rank names the peer that died first
         self._previous = None
         self._window(model)  # baseline for the first logging window
 
