@@ -16,8 +16,10 @@ Counting wraps the exchange: the exchange reports split sizes, the core turns th
 
 Schedules (`transport.schedule`): `hierarchical` runs the exchange on the real topology (rail, then node);
 `direct` runs the same exchange on a flat view of the EP group, every rank its own "node" (one exchange each
-way over the whole group, each token once per destination rank). `auto` times both on the first steps after
-each layout change (`StepTimedChoice`) and keeps the faster; the choice is logged and kept in `schedule`.
+way over the whole group, each token once per destination rank); `dense` runs DeepSpeed's padded exchange.
+`auto`, after each layout change, lets the cost model (`schedule_model`) rule out what communication alone makes
+slower, times the rest on the next steps (`StepTimedChoice`) and keeps the fastest; the choice is logged and
+kept in `schedule`.
 """
 
 from __future__ import annotations
@@ -314,10 +316,8 @@ class LayerCore:
         start = time.perf_counter()
         costs = probe_links(groups, topk_ids_TK.device)
         probed = time.perf_counter()
-        if dropless:  # dense's C is the largest (rank, expert) count: the gate's, or the dropless one of AutoEP
-            local = torch.bincount(topk_ids_TK[topk_ids_TK >= 0].reshape(-1), minlength=self.num_experts).max()
-        else:
-            local = torch.as_tensor(capacity)
+        # dense's C: the largest (rank, expert) count where dropless (the gate's, or AutoEP's), else the fixed one
+        local = expert_locations(topk_ids_TK, self.num_experts)[1] if dropless else capacity
         per_rank = max(16, min(_MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL // self.topology.world_size))
         topk, src, scale, capacity_W = gather_routing(topk_ids_TK, groups, per_rank, local)
         predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,

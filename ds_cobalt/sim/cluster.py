@@ -30,8 +30,7 @@ from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
 __all__ = ["LayerRows", "deepspeed_rows", "padded_rows", "scaled_rows", "cobalt_rows", "direct_rows", "layer_times",
-           "predict_step_times", "VARIANTS",
-           "predict_synthetic", "format_prediction", "step_of_tokens"]
+           "predict_step_times", "VARIANTS", "predict_synthetic", "format_prediction", "step_of_tokens"]
 
 VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap", "cobalt-direct", "cobalt-dense")
 
