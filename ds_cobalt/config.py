@@ -46,9 +46,12 @@ class TraceConfig(_Section):
 class PlannerConfig(_Section):
     """Online stage-1 replanning: every `replan_interval` optimizer steps (0 = off) plan a layout with
     `policy` from the routing statistics of the last interval (summed over ranks; each rank contributes at
-    most `sample_tokens` recent top-k rows per layer), in a background thread on rank 0; apply it
-    `apply_lag` steps later (0 = right away; default min(5, replan_interval), so a plan that takes a few
-    steps does not stall training), on every rank, when the migration cost model says it pays."""
+    most `sample_tokens` recent top-k rows per layer); each rank plans its share of the layers (layer i on
+    rank i % world size) in a `worker` process at a lower CPU priority (`"thread"`: a thread of the training
+    process, which shares its GIL); the decisions are applied `apply_lag` steps later (0 = right away; default
+    min(5, replan_interval), so a plan that takes a few steps does not stall training), on every rank, when the
+    migration cost model says it pays. At that step a rank waits at most `plan_timeout_s` for its worker;
+    past it the worker is stopped, its layers keep their layout, and the next interval plans them again."""
 
     replan_interval: int = Field(default=0, ge=0)
     policy: str = "cobalt"
@@ -56,6 +59,8 @@ class PlannerConfig(_Section):
     apply_lag: int | None = Field(default=None, ge=0)
     sample_tokens: int = Field(default=1024, ge=0)
     seed: int = 0
+    worker: Literal["process", "thread"] = "process"
+    plan_timeout_s: float = Field(default=300.0, gt=0)
 
     @field_validator("policy")
     @classmethod

@@ -48,8 +48,20 @@ class CobaltEngine(DeepSpeedEngine):
             engine.__class__ = _cobalt_class(type(engine))
         assert isinstance(engine, CobaltEngine)
         engine.cobalt_config = config
+        engine._close_hooks()
         engine.cobalt_step_hooks = engine._configured_hooks(config) if config is not None else []
         return engine
+
+    def _close_hooks(self) -> None:
+        """Stop what the hooks run beside training (the replanner's worker process)."""
+        for hook in getattr(self, "cobalt_step_hooks", []):
+            close = getattr(hook, "close", None)
+            if close is not None:
+                close()
+
+    def destroy(self) -> None:
+        self._close_hooks()
+        super().destroy()
 
     # ----- step --------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:

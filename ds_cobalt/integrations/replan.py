@@ -1,4 +1,4 @@
-"""Online stage-1 replanning: statistics -> planner (background thread on rank 0) -> migration.
+"""Online stage-1 replanning: statistics -> planner (worker processes, layers spread over ranks) -> migration.
 
 Legend: L ds_cobalt layers, E experts, K top-k, W EP ranks, S slots per rank, P = E / W owner slots,
 B sample rows per rank and layer, R world ranks.
@@ -6,15 +6,19 @@ B sample rows per rank and layer, R world ranks.
 Timeline (every rank runs the same hook after each optimizer step, so decisions line up without extra
 per-step collectives):
 - after step s with s % replan_interval == 0: one all_reduce (sum) of every layer's load, co-activation,
-  token count and up to B recent top-k rows per rank; statistics reset; rank 0 starts the planner thread.
-- after step s + apply_lag: rank 0 joins the thread; one broadcast carries the per-layer decision and
-  slots; every rank applies it (replica-only changes with `set_layout`, owner changes with `migrate`).
+  token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
+  to its planner worker process (`plan_workers.py`), which runs at a lower CPU priority.
+- after step s + apply_lag: each rank waits at most `plan_timeout_s` for its worker; one all_reduce (sum)
+  of the per-layer decisions, each filled in by the one rank that planned it, gives every rank all of them;
+  every rank applies them (replica-only changes with `set_layout`, owner changes with `migrate`). A layer
+  whose worker failed, died or overran arrives empty and keeps its layout on every rank (logged; the worker
+  is restarted and the layer planned again at the next interval), so ranks never diverge and never wait
+  past the deadline.
 """
 
 from __future__ import annotations
 
-import threading
-import traceback
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -29,6 +33,7 @@ from ..runtime.layer import LayerCore
 from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
+from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_planner
 
 # The pure decision lives in the planner; these names stay importable from here.
 __all__ = ["Replanner", "KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "plan_layer_decision"]
@@ -41,9 +46,9 @@ class Replanner:
         self.layers: list[LayerCore] = migratable_layers(engine)
         self.cfg = cobalt.planner
         self.mig = cobalt.migration
-        self._thread: threading.Thread | None = None
-        self._result: list[LayerDecision] | None = None
-        self._error: str | None = None
+        self._planner: LayerPlanner | None = None
+        self._submit_error: str | None = None
+        self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
         if not self.layers:
@@ -66,6 +71,16 @@ class Replanner:
         self.link = LinkModel(expert_params=expert_params, weight_bytes_per_param=elem,
                               optimizer_bytes_per_param=12, token_bytes=elem * first.model_dim,
                               inter_node_gbps=gbps, margin=self.mig.margin)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self._mine = list(range(rank, len(self.layers), world))  # this rank's share of the layers
+        if self._mine:  # started now, so its imports load while training warms up
+            self._planner = make_planner(self.cfg.worker, self.cfg.policy, logger.warning)
+
+    def close(self) -> None:
+        """Stop the planner worker (the engine's `destroy`; a worker also dies with its rank)."""
+        if self._planner is not None:
+            self._planner.close()
 
     def __call__(self, engine: Any) -> None:
         if not self.layers:
@@ -116,58 +131,64 @@ class Replanner:
     def _start(self, engine: Any, step: int) -> None:
         stats = self._gather()
         self._apply_at = step + self.cfg.effective_apply_lag
-        if dist.is_initialized() and dist.get_rank() != 0:
+        if self._planner is None:
             return
-        currents = [layer.layout_slots.copy() for layer in self.layers]
-        topo = self.layers[0].topology
         world = dist.get_world_size() if dist.is_initialized() else 1
+        topo = self.layers[0].topology
         ep_groups = max(1, world // topo.world_size)
-        self._result, self._error = None, None
-
-        def work() -> None:
-            try:
-                self._result = [
-                    plan_layer_decision(
-                        st, cur, nodes=topo.nodes, gpus_per_node=topo.ranks_per_node, policy=self.cfg.policy,
-                        redundant_slots=self.cfg.redundant_slots, seed=self.cfg.seed, link=self.link,
-                        interval=self._interval, tokens_per_step=st.tokens / self._interval / ep_groups,
-                        ignore_cost_model=self.mig.ignore_cost_model)
-                    for st, cur in zip(stats, currents)]
-            except Exception:  # noqa: BLE001 - a planner failure must not kill training
-                self._error = traceback.format_exc()
-
-        self._thread = threading.Thread(target=work, name=f"ds_cobalt-replan-{step}", daemon=True)
-        self._thread.start()
+        mine = self._mine
+        params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
+                  "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
+                  "ignore_cost_model": self.mig.ignore_cost_model, "link": asdict(self.link)}
+        request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
+                   [stats[i].tokens / self._interval / ep_groups for i in mine], params)
+        self._submit_error = None
+        try:
+            self._planner.submit(*request)
+        except WorkerUnavailable as e:
+            logger.warning(f"ds_cobalt: the planner worker cannot plan policy {self.cfg.policy!r} ({e}); "
+                           "planning runs in a thread of each rank from now on")
+            self._planner.close()
+            self._planner = ThreadPlanner()
+            self._planner.submit(*request)
+        except Exception as e:  # noqa: BLE001 - no plan this interval; the next one tries again
+            self._submit_error = f"{type(e).__name__}: {e}"
 
     # ----- applying -----
     def _apply(self, engine: Any) -> None:
+        """One all_reduce of every rank's share of the decisions; see the module docstring."""
         self._apply_at = None
         L = len(self.layers)
         W = self.layers[0].topology.world_size
         S = self.layers[0].num_experts // W + self.cfg.redundant_slots
-        payload = torch.full((L * (2 + W * S),), -1.0, dtype=torch.float64)
+        decisions, seconds, error = {}, 0.0, self._submit_error
+        if self._planner is not None and error is None:
+            decisions, seconds, error = self._planner.collect(self.cfg.plan_timeout_s)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
-            if self._thread is not None:
-                self._thread.join()
-            self._thread = None
-            if self._error is not None:
-                logger.error(f"ds_cobalt replan failed, layout unchanged:\n{self._error}")
-            for i, d in enumerate(self._result or []):
-                if d.slots_WS.shape == (W, S):
-                    payload[i] = d.action
-                    payload[L + i] = d.saving_s
-                    payload[2 * L + i * W * S: 2 * L + (i + 1) * W * S] = torch.from_numpy(
-                        d.slots_WS.reshape(-1).astype(np.float64))
-                else:
-                    payload[i] = KEEP
-            if not self._result:
-                payload[:L] = KEEP
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if error is not None:
+            logger.error(f"ds_cobalt replan on rank {rank} failed, layers {self._mine} keep their layout "
+                         f"(planned again at the next interval):\n{error}")
+        # per layer: planned (1/0), action, saving_s, planning seconds, then W * S slots
+        payload = torch.zeros((L, 4 + W * S), dtype=torch.float64)
+        for i, d in decisions.items():
+            if d.slots_WS.shape == (W, S):
+                payload[i, :4] = torch.tensor([1.0, d.action, d.saving_s, seconds], dtype=torch.float64)
+                payload[i, 4:] = torch.from_numpy(d.slots_WS.reshape(-1).astype(np.float64))
         if dist.is_initialized():
-            dist.broadcast(payload, src=0)
-        actions = payload[:L].long().tolist()
-        savings = payload[L: 2 * L].tolist()
-        slots = payload[2 * L:].numpy().astype(np.int64).reshape(L, W, S)
+            dist.all_reduce(payload)
+        planned = payload[:, 0] > 0
+        actions = torch.where(planned, payload[:, 1], float(KEEP)).long().tolist()
+        savings = payload[:, 2].tolist()
+        slots = payload[:, 4:].numpy().astype(np.int64).reshape(L, W, S)
+        missing = [i for i in range(L) if not planned[i]]
+        slowest = float(payload[:, 3].max())
+        self.history.append({"step": int(engine.global_steps), "planned": L - len(missing), "layers": L,
+                             "slowest_share_s": slowest})
+        if rank == 0:
+            logger.info(f"ds_cobalt replan at step {engine.global_steps}: {L - len(missing)} of {L} layer(s) "
+                        f"planned on {min(world, L)} rank(s), slowest share {slowest:.2f} s"
+                        + (f"; layers {missing} keep their layout" if missing else ""))
         to_migrate: list[np.ndarray | None] = [None] * L
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
             if action == REPLICAS:

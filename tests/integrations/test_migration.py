@@ -349,47 +349,91 @@ def test_grad_norm_counts_each_logical_expert_once(run_ranks: Any) -> None:
         assert r["plain"]["norms"][0] > 0.5  # clipping is active, so a doubled norm would change the losses
 
 
-def _replan(rank: int, world: int, monitor_dir: str) -> dict:
+def _train_with_layouts(engine, steps, on_step=None) -> tuple[list[float], list[list[np.ndarray]]]:
+    """Losses, and every layer's slots after each step; `on_step(step)` runs after each optimizer step."""
     from ds_cobalt.integrations.engine import cobalt_layers
-    from ds_cobalt.planner import register_policy
 
-    @register_policy("test_shuffle")
-    def shuffle(inp):  # random owners, one replica per rank of an expert it does not own
-        rng = np.random.default_rng(int(inp.current_slots_WS.sum()) + inp.seed + int(inp.stats.load_E.sum()))
-        owners = rng.permutation(E).reshape(4, 2)
-        return np.concatenate([owners, owners[[1, 0, 3, 2], :1]], axis=1)
+    losses, layouts = [], []
+    for step in steps:
+        losses += train(engine, range(step, step + 1))
+        if on_step is not None:
+            on_step(int(engine.global_steps))
+        layouts.append([layer.layout_slots.copy() for layer in cobalt_layers(engine)])
+    return losses, layouts
+
+
+def _replan(rank: int, world: int, tmp: str) -> dict:
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from ds_cobalt.integrations.replan import Replanner
+
+    def worker_pid(engine) -> int | None:  # ranks 2 and 3 plan no layer (2 layers), so they start no worker
+        (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+        return hook._planner._proc.pid if hook._planner is not None else None
 
     steps = range(12)
     out: dict[str, Any] = {}
     engine = build_engine("cobalt", 1)
     out["plain"] = train(engine, steps)
     engine.destroy()
-    monitor = {"csv_monitor": {"enabled": True, "output_path": monitor_dir, "job_name": "replan"}}
-    forced = {"planner": {"replan_interval": 4, "policy": "test_shuffle", "apply_lag": 2, "redundant_slots": 1},
+    monitor = {"csv_monitor": {"enabled": True, "output_path": tmp, "job_name": "replan"}}
+    # Layer i is planned on rank i: rank 1's first plan (layer 1, after step 4) sleeps in its worker process,
+    # which is SIGKILLed ("killed") or runs past plan_timeout_s ("overran") before the decisions are applied.
+    os.environ["DS_COBALT_TEST_SLOW_RANK"] = "1"
+    forced = {"planner": {"replan_interval": 4, "policy": "test_slow_shuffle", "apply_lag": 2, "redundant_slots": 1},
               "migration": {"ignore_cost_model": True}}
-    engine = build_engine("cobalt", 1, cobalt=forced, extra=monitor)
-    out["forced"] = train(engine, steps)
-    out["forced_migrations"] = [(m.step, m.ok, m.reason) for m in engine.cobalt_migrations]
-    out["forced_layouts"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
-    engine.destroy()
+    for fault, planner in (("killed", {}), ("overran", {"plan_timeout_s": 1.0})):
+        mark = Path(tmp) / fault
+        os.environ["DS_COBALT_TEST_SLOW_MARK"] = str(mark)
+        import slow_policy  # noqa: F401 - registers test_slow_shuffle here too (the config checks the name)
+
+        cfg = {**forced, "planner": {**forced["planner"], **planner}}
+        engine = build_engine("cobalt", 1, cobalt=cfg, extra=monitor)
+        pid = worker_pid(engine)
+
+        def kill_mid_plan(step: int, fault: str = fault, mark: Path = mark, pid: int | None = pid) -> None:
+            if fault == "killed" and rank == 1 and step == 5:
+                deadline = time.monotonic() + 60
+                while not mark.exists() and time.monotonic() < deadline:  # the worker is in the policy
+                    time.sleep(0.05)
+                os.kill(pid, signal.SIGKILL)
+
+        out[fault], out[f"{fault}_layouts"] = _train_with_layouts(engine, steps, kill_mid_plan)
+        out[f"{fault}_migrations"] = [(m.step, m.ok, m.reason, sorted({mv[0] for mv in m.moved}))
+                                      for m in engine.cobalt_migrations]
+        out[f"{fault}_respawned"] = worker_pid(engine) != pid
+        engine.destroy()
     costed = {"planner": {"replan_interval": 4, "policy": "cobalt", "apply_lag": 0}}
     engine = build_engine("cobalt", 1, cobalt=costed)
-    out["costed"] = train(engine, steps)
-    out["costed_layouts"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
+    out["costed"], layouts = _train_with_layouts(engine, steps)
+    out["costed_layouts"] = layouts[-1]
     return out
 
 
 def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_path) -> None:
-    res = run_ranks(_replan, 4, str(tmp_path), ranks_per_node=2, timeout=180)
+    res = run_ranks(_replan, 4, str(tmp_path), ranks_per_node=2, timeout=240)
     for r in res:
-        np.testing.assert_allclose(r["forced"], r["plain"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(r["costed"], r["plain"], rtol=1e-5, atol=1e-6)
-        # planned after steps 4 and 8, applied 2 steps later
-        assert r["forced_migrations"] == [(6, True, "replan:test_shuffle"), (10, True, "replan:test_shuffle")]
-    for key in ("forced_layouts", "costed_layouts"):
-        for layer in range(LAYERS):
-            assert all(np.array_equal(r[key][layer], res[0][key][layer]) for r in res)
-    assert res[0]["forced_layouts"][0].shape == (4, 3)
+        for run in ("killed", "overran", "costed"):
+            np.testing.assert_allclose(r[run], r["plain"], rtol=1e-5, atol=1e-6)
+        for fault in ("killed", "overran"):
+            # planned after steps 4 and 8, applied 2 steps later; at step 6 layer 1 (rank 1's worker failed)
+            # keeps its layout on every rank, and it is planned again (new worker) for step 10
+            assert r[f"{fault}_migrations"] == [(6, True, "replan:test_slow_shuffle", [0]),
+                                                (10, True, "replan:test_slow_shuffle", [0, 1])]
+            layouts = r[f"{fault}_layouts"]
+            assert np.array_equal(layouts[6][1][:, :2], layouts[0][1][:, :2])  # after step 7: layer 1's owners
+            assert not np.array_equal(layouts[10][1][:, :2], layouts[0][1][:, :2])
+            assert r[f"{fault}_respawned"] == (r is res[1])
+    for key in ("killed_layouts", "overran_layouts"):
+        for step in range(12):
+            for layer in range(LAYERS):
+                assert all(np.array_equal(r[key][step][layer], res[0][key][step][layer]) for r in res)
+    for layer in range(LAYERS):
+        assert all(np.array_equal(r["costed_layouts"][layer], res[0]["costed_layouts"][layer]) for r in res)
+    assert res[0]["killed_layouts"][-1][0].shape == (4, 3)
     logged = [p.name for p in tmp_path.rglob("*") if p.is_file()]
     assert any("migration" in name for name in logged), logged
 
@@ -407,3 +451,8 @@ def test_planner_config_validation() -> None:
         parse_cobalt_config({"planner": {"replan_interval": 2, "apply_lag": 5}})
     with pytest.raises(ValueError, match=r"cobalt\.migration\.speed: unknown key"):
         parse_cobalt_config({"migration": {"speed": 1}})
+    assert cfg.planner.worker == "process" and cfg.planner.plan_timeout_s == 300.0
+    with pytest.raises(ValueError, match=r"cobalt\.planner\.worker: .*'process' or 'thread'"):
+        parse_cobalt_config({"planner": {"worker": "fork"}})
+    with pytest.raises(ValueError, match=r"cobalt\.planner\.plan_timeout_s: .*greater than 0"):
+        parse_cobalt_config({"planner": {"plan_timeout_s": 0}})

@@ -1,0 +1,128 @@
+"""What a re-plan in flight costs the training steps: worker processes vs threads, one job.
+
+    sudo benchmarks/cluster/run_cluster.sh --rate loopback --script benchmarks/replan_overhead.py -- \
+        --deepspeed_config ds_config_templates/cpu_2nodes_x_2ranks.json --json-out OUT/replan_overhead.json
+
+The model is fine-grained (default 64 experts, top-6, 8 MoE layers; examples/moe_lm.py). For each mode of
+`cobalt.planner.worker` ("process", "thread") and for "off" (no re-planning, the control), one engine trains
+`--steps` steps with `replan_interval = --interval` and `apply_lag = --lag`. The migration margin is set so high
+that no plan is applied: the layout, and so the step's own cost, stays the same, and only the planning differs.
+Each interval is cut into the steps with a plan in flight (the step whose hook gathers the statistics and hands
+them to the planner, through the step whose hook collects the decisions) and the idle rest. A step's time is
+the slowest rank's (barrier before it). The script prints, per mode, the mean step time of both windows and
+their ratio (1.0 = planning costs the training nothing; target <= 1.05), and the slowest rank's planning time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
+from train_moe import initialize, read_config  # noqa: E402
+
+MODES = ("off", "process", "thread")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=60, help="steps per mode after the warm-up")
+    p.add_argument("--warmup", type=int, default=10, help="steps before the first timed interval")
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--lag", type=int, default=5)
+    p.add_argument("--sample-tokens", type=int, default=1024, help="cobalt.planner.sample_tokens")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--d-ff", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--num-experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
+    return p.parse_args(argv)
+
+
+def in_flight(step: int, interval: int, lag: int) -> bool:
+    """Step `step` (1-based, as engine.global_steps after it) runs with a plan in flight."""
+    return step % interval <= lag
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not 0 < args.lag < args.interval or args.warmup % args.interval:
+        raise SystemExit("need 0 < --lag < --interval and --warmup a multiple of --interval")
+    set_threads_from_env()
+    import deepspeed
+
+    from ds_cobalt.integrations.replan import Replanner
+
+    deepspeed.init_distributed(dist_backend=None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = read_config(args.deepspeed_config)
+    cfg = ModelConfig(d_model=args.d_model, n_heads=4, n_layers=args.n_layers, d_ff=args.d_ff, seq_len=args.seq_len,
+                      moe_every=1, num_experts=args.num_experts, ep_size=world, k=args.top_k, capacity_factor=1.25,
+                      min_capacity=4, drop_tokens=True)
+    corpus = load_corpus(8 << 20)
+    result: dict[str, dict] = {}
+    for mode in args.modes:
+        torch.manual_seed(args.seed)
+        config = copy.deepcopy(base)
+        cobalt = config.setdefault("cobalt", {})
+        if mode != "off":
+            cobalt["planner"] = {"replan_interval": args.interval, "apply_lag": args.lag, "worker": mode,
+                                 "sample_tokens": args.sample_tokens, "redundant_slots": 0}
+            cobalt["migration"] = {"margin": 1e12}  # plan, never apply: the step's own cost stays the same
+        path = Path(f"/tmp/replan_overhead_{mode}_rank{rank}.json")
+        path.write_text(json.dumps(config))
+        engine = initialize("cobalt", MoELM(cfg, __import__("ds_cobalt").MoE), str(path), config)
+        micro = engine.train_micro_batch_size_per_gpu()
+        flight, idle, plan_s = [], [], []
+        for step in range(args.warmup + args.steps):
+            ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
+                                          micro_batch=micro, seq_len=args.seq_len)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, _, _ = engine(ids, targets, 0.01)
+            engine.backward(loss)
+            engine.step()
+            seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                window = flight if in_flight(int(engine.global_steps), args.interval, args.lag) else idle
+                window.append(float(seconds))
+        for hook in engine.cobalt_step_hooks:
+            if isinstance(hook, Replanner):
+                plan_s = [h["slowest_share_s"] for h in hook.history]
+        result[mode] = {"in_flight_mean_s": statistics.fmean(flight), "idle_mean_s": statistics.fmean(idle),
+                        "ratio": statistics.fmean(flight) / statistics.fmean(idle), "plan_s": plan_s,
+                        "in_flight_steps_s": flight, "idle_steps_s": idle}
+        engine.destroy()
+    if rank == 0:
+        print(f"replan overhead: {world} ranks, E={args.num_experts} k={args.top_k} {args.n_layers} MoE layers, "
+              f"interval {args.interval}, lag {args.lag}, {args.steps} timed steps per mode (slowest rank)")
+        for mode, r in result.items():
+            plans = f"  planning (slowest rank's share) {statistics.fmean(r['plan_s']):.2f} s" if r["plan_s"] else ""
+            print(f"  {mode:>8}: plan in flight {r['in_flight_mean_s'] * 1e3:8.2f} ms, idle "
+                  f"{r['idle_mean_s'] * 1e3:8.2f} ms, ratio {r['ratio']:.3f}{plans}")
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps({"modes": result, "args": vars(args)}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
