@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
             if step >= args.warmup:
                 window = flight if in_flight(int(engine.global_steps), args.interval, args.lag) else idle
                 window.append(float(seconds))
+            if rank == 0 and int(engine.global_steps) % args.interval == 0:
+                print(f"[replan_overhead] {mode}: step {int(engine.global_steps)}/{args.warmup + args.steps}, "
+                      f"last step {float(seconds) * 1e3:.0f} ms", flush=True)
         for hook in engine.cobalt_step_hooks:
             if isinstance(hook, Replanner):
                 plan_s = [h["slowest_share_s"] for h in hook.history]

@@ -24,6 +24,7 @@ from . import checkpoint
 from .layers import SCHEDULES, layer_cores, traffic_summary
 from .migration import flush_pending
 from .replan import Replanner
+from .replan_state import latest_tag_directory, load_replan_state, save_replan_state, tag_directory
 from .trace import save_trace, start_trace, stop_trace
 
 StepHook = Callable[["CobaltEngine"], None]
@@ -95,17 +96,25 @@ class CobaltEngine(DeepSpeedEngine):
         save = super().save_checkpoint
         migration = self.cobalt_config.migration if self.cobalt_config is not None else None
         if migration is None or not migration.checkpoint_logical_order:
-            return save(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
-        return checkpoint.save_checkpoint(self, save, migration.checkpoint_portable_state, save_dir, tag,
-                                          client_state, *args, **kwargs)
+            result = save(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
+        else:
+            result = checkpoint.save_checkpoint(self, save, migration.checkpoint_portable_state, save_dir, tag,
+                                                client_state, *args, **kwargs)
+        save_replan_state(self, tag_directory(save_dir, tag, self.global_steps))
+        return result
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         load = super().load_checkpoint
         migration = self.cobalt_config.migration if self.cobalt_config is not None else None
         if migration is None or not migration.checkpoint_logical_order:
-            return load(load_dir, tag, *args, **kwargs)
-        return checkpoint.load_checkpoint(self, load, migration.checkpoint_portable_state, load_dir, tag,
-                                          *args, **kwargs)
+            result = load(load_dir, tag, *args, **kwargs)
+        else:
+            result = checkpoint.load_checkpoint(self, load, migration.checkpoint_portable_state, load_dir, tag,
+                                                *args, **kwargs)
+        directory = latest_tag_directory(load_dir, tag)
+        if result[0] is not None and directory is not None and not kwargs.get("load_module_only"):
+            load_replan_state(self, directory)
+        return result
 
 
 @functools.cache

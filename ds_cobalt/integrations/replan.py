@@ -18,6 +18,7 @@ per-step collectives):
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import Any
 
@@ -48,6 +49,7 @@ class Replanner:
         self.mig = cobalt.migration
         self._planner: LayerPlanner | None = None
         self._submit_error: str | None = None
+        self._pending: tuple | None = None  # this rank's request in flight (kept for checkpoints)
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
@@ -142,7 +144,11 @@ class Replanner:
                   "ignore_cost_model": self.mig.ignore_cost_model, "link": asdict(self.link)}
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
                    [stats[i].tokens / self._interval / ep_groups for i in mine], params)
-        self._submit_error = None
+        self._submit(request)
+
+    def _submit(self, request: tuple) -> None:
+        self._pending, self._submit_error = request, None
+        assert self._planner is not None
         try:
             self._planner.submit(*request)
         except WorkerUnavailable as e:
@@ -157,7 +163,7 @@ class Replanner:
     # ----- applying -----
     def _apply(self, engine: Any) -> None:
         """One all_reduce of every rank's share of the decisions; see the module docstring."""
-        self._apply_at = None
+        self._apply_at, self._pending = None, None
         L = len(self.layers)
         W = self.layers[0].topology.world_size
         S = self.layers[0].num_experts // W + self.cfg.redundant_slots
@@ -202,3 +208,41 @@ class Replanner:
         elif rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: no owner migration "
                         f"({sum(a == REPLICAS for a in actions)} layer(s) changed replicas only)")
+
+    # ----- checkpoints: what an exact resume needs (integrations/replan_state.py writes it) -----
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """This rank's statistics since the last re-plan and its plan in flight, as tensors and metadata."""
+        tensors: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            st = layer.stats
+            tensors |= {f"stats.{i}.load_E": st.load_E, f"stats.{i}.coact_EE": st.coact_EE,
+                        f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens])}
+        meta = {"apply_at": "" if self._apply_at is None else str(self._apply_at), "pending": ""}
+        if self._pending is not None:
+            tag, ids, stats, currents, tokens_per_step, params = self._pending
+            meta |= {"pending": tag, "params": json.dumps(params), "pending_layers": json.dumps(ids)}
+            tensors["pending.tokens_per_step"] = torch.tensor(tokens_per_step, dtype=torch.float64)
+            for lid, st, cur in zip(ids, stats, currents):
+                tensors |= {f"pending.{lid}.{name}": torch.from_numpy(np.ascontiguousarray(value)) for name, value in
+                            (("load_E", st.load_E), ("coact_EE", st.coact_EE), ("samples_TK", st.samples_TK),
+                             ("source_rank_T", st.source_rank_T), ("current_WS", cur),
+                             ("tokens", np.array([st.tokens])))}
+        return tensors, meta
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """The inverse of `state` (same world size and layers); a plan that was in flight is submitted again
+        (planning is deterministic, so it yields the same decisions at the same step)."""
+        for i, layer in enumerate(self.layers):
+            st = layer.stats
+            for name in ("load_E", "coact_EE", "sample_BK"):
+                getattr(st, name).copy_(tensors[f"stats.{i}.{name}"])
+            st.tokens = int(tensors[f"stats.{i}.tokens"].item())
+        self._apply_at = int(meta["apply_at"]) if meta.get("apply_at") else None
+        self._pending = None
+        if meta.get("pending") and self._planner is not None:
+            ids = json.loads(meta["pending_layers"])
+            t = {name: value.numpy() for name, value in tensors.items() if name.startswith("pending.")}
+            stats = [LayerStats(t[f"pending.{i}.load_E"], t[f"pending.{i}.coact_EE"], int(t[f"pending.{i}.tokens"][0]),
+                                t[f"pending.{i}.samples_TK"], t[f"pending.{i}.source_rank_T"]) for i in ids]
+            self._submit((meta["pending"], ids, stats, [t[f"pending.{i}.current_WS"] for i in ids],
+                          t["pending.tokens_per_step"].tolist(), json.loads(meta["params"])))
