@@ -9,8 +9,9 @@ The model is fine-grained (default 64 experts, top-6, 8 MoE layers; examples/moe
 that no plan is applied: the layout, and so the step's own cost, stays the same, and only the planning differs.
 Each interval is cut into the steps with a plan in flight (the step whose hook gathers the statistics and hands
 them to the planner, through the step whose hook collects the decisions) and the idle rest. A step's time is
-the slowest rank's (barrier before it). The script prints, per mode, the mean step time of both windows and
-their ratio (1.0 = planning costs the training nothing; target <= 1.05), and the slowest rank's planning time.
+the slowest rank's (barrier before it). The script prints, per mode, the mean step time of both windows, their
+ratio and the median of the per-interval ratios (1.0 = planning costs the training nothing; target <= 1.05; "off"
+shows the noise floor), and the slowest rank's planning time.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--steps", type=int, default=60, help="steps per mode after the warm-up")
-    p.add_argument("--warmup", type=int, default=10, help="steps before the first timed interval")
+    p.add_argument("--steps", type=int, default=80, help="steps per mode after the warm-up")
+    p.add_argument("--warmup", type=int, default=20, help="steps before the first timed interval")
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--sample-tokens", type=int, default=1024, help="cobalt.planner.sample_tokens")
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = initialize("cobalt", MoELM(cfg, __import__("ds_cobalt").MoE), str(path), config)
         micro = engine.train_micro_batch_size_per_gpu()
         flight, idle, plan_s = [], [], []
+        per_interval: dict[int, tuple[list[float], list[float]]] = {}
         for step in range(args.warmup + args.steps):
             ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
                                           micro_batch=micro, seq_len=args.seq_len)
@@ -101,16 +103,21 @@ def main(argv: list[str] | None = None) -> None:
             seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
-                window = flight if in_flight(int(engine.global_steps), args.interval, args.lag) else idle
-                window.append(float(seconds))
+                gs = int(engine.global_steps)
+                busy = in_flight(gs, args.interval, args.lag)
+                (flight if busy else idle).append(float(seconds))
+                # the interval whose plan is in flight: steps s .. s + lag, then its idle steps up to s + interval - 1
+                per_interval.setdefault(gs // args.interval, ([], []))[0 if busy else 1].append(float(seconds))
             if rank == 0 and int(engine.global_steps) % args.interval == 0:
                 print(f"[replan_overhead] {mode}: step {int(engine.global_steps)}/{args.warmup + args.steps}, "
                       f"last step {float(seconds) * 1e3:.0f} ms", flush=True)
         for hook in engine.cobalt_step_hooks:
             if isinstance(hook, Replanner):
                 plan_s = [h["slowest_share_s"] for h in hook.history]
+        ratios = [statistics.fmean(b) / statistics.fmean(i) for b, i in per_interval.values() if b and i]
         result[mode] = {"in_flight_mean_s": statistics.fmean(flight), "idle_mean_s": statistics.fmean(idle),
                         "ratio": statistics.fmean(flight) / statistics.fmean(idle), "plan_s": plan_s,
+                        "median_interval_ratio": statistics.median(ratios), "interval_ratios": ratios,
                         "in_flight_steps_s": flight, "idle_steps_s": idle}
         engine.destroy()
     if rank == 0:
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode, r in result.items():
             plans = f"  planning (slowest rank's share) {statistics.fmean(r['plan_s']):.2f} s" if r["plan_s"] else ""
             print(f"  {mode:>8}: plan in flight {r['in_flight_mean_s'] * 1e3:8.2f} ms, idle "
-                  f"{r['idle_mean_s'] * 1e3:8.2f} ms, ratio {r['ratio']:.3f}{plans}")
+                  f"{r['idle_mean_s'] * 1e3:8.2f} ms, ratio {r['ratio']:.3f} (median of {len(r['interval_ratios'])} "
+                  f"intervals {r['median_interval_ratio']:.3f}){plans}")
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_out).write_text(json.dumps({"modes": result, "args": vars(args)}, indent=1))
