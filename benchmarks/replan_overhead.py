@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(config))
         engine = initialize("cobalt", MoELM(cfg, __import__("ds_cobalt").MoE), str(path), config)
         micro = engine.train_micro_batch_size_per_gpu()
-        flight, idle, plan_s = [], [], []
+        flight, idle, plan_s, hook_s = [], [], [], {}
         per_interval: dict[int, tuple[list[float], list[float]]] = {}
         for step in range(args.warmup + args.steps):
             ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
@@ -114,10 +114,16 @@ def main(argv: list[str] | None = None) -> None:
         for hook in engine.cobalt_step_hooks:
             if isinstance(hook, Replanner):
                 plan_s = [h["slowest_share_s"] for h in hook.history]
+                hook_s = {k: statistics.fmean(h[k] for h in hook.history) for k in ("gather_s", "submit_s", "collect_s")
+                          if hook.history and k in hook.history[0]}
         ratios = [statistics.fmean(b) / statistics.fmean(i) for b, i in per_interval.values() if b and i]
+        # median step time by position in the interval: 0 = the step whose hook gathers and submits, lag = apply
+        by_position = [statistics.median(b[j] for b, _ in per_interval.values() if len(b) == args.lag + 1)
+                       for j in range(args.lag + 1)]
         result[mode] = {"in_flight_mean_s": statistics.fmean(flight), "idle_mean_s": statistics.fmean(idle),
                         "ratio": statistics.fmean(flight) / statistics.fmean(idle), "plan_s": plan_s,
                         "median_interval_ratio": statistics.median(ratios), "interval_ratios": ratios,
+                        "rank0_hook_s": hook_s, "in_flight_median_by_position_s": by_position,
                         "in_flight_steps_s": flight, "idle_steps_s": idle}
         engine.destroy()
     if rank == 0:
@@ -128,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {mode:>8}: plan in flight {r['in_flight_mean_s'] * 1e3:8.2f} ms, idle "
                   f"{r['idle_mean_s'] * 1e3:8.2f} ms, ratio {r['ratio']:.3f} (median of {len(r['interval_ratios'])} "
                   f"intervals {r['median_interval_ratio']:.3f}){plans}")
+            print(f"            by position in the interval (ms): "
+                  f"{[round(t * 1e3) for t in r['in_flight_median_by_position_s']]}, idle median "
+                  f"{statistics.median(r['idle_steps_s']) * 1e3:.0f}; rank 0's hook "
+                  f"{ {k: round(v * 1e3) for k, v in r['rank0_hook_s'].items()} } ms")
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_out).write_text(json.dumps({"modes": result, "args": vars(args)}, indent=1))

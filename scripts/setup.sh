@@ -35,4 +35,6 @@ if builder is not None and get_accelerator().device_name() == "cpu":
     builder.load(verbose=False)
     print(f"[setup] DeepSpeed shm comm op ready ({time.perf_counter() - t0:.1f} s)")
 PY
+# Compile the planner's numba kernels once (cached beside their sources), so the first re-plan does not pay it.
+"$PY" -m ds_cobalt.planner.worker --warm-up
 echo "[setup] done"

@@ -19,6 +19,7 @@ per-step collectives):
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -30,7 +31,7 @@ from deepspeed.utils import logger
 from ..config import CobaltConfig
 from ..planner import LinkModel
 from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
-from ..runtime.layer import LayerCore
+from ..runtime.layer import DENSE, LayerCore
 from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
@@ -50,6 +51,8 @@ class Replanner:
         self._planner: LayerPlanner | None = None
         self._submit_error: str | None = None
         self._pending: tuple | None = None  # this rank's request in flight (kept for checkpoints)
+        self._skipped: list[int] = []  # layers left out of the plan in flight (dense schedule)
+        self._start_s: dict[str, float] = {}  # this rank's seconds in the last `_start` (gather, submit)
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
@@ -131,20 +134,28 @@ class Replanner:
         return out
 
     def _start(self, engine: Any, step: int) -> None:
+        t0 = time.perf_counter()
         stats = self._gather()
+        self._start_s = {"gather_s": time.perf_counter() - t0}
         self._apply_at = step + self.cfg.effective_apply_lag
-        if self._planner is None:
-            return
         world = dist.get_world_size() if dist.is_initialized() else 1
         topo = self.layers[0].topology
         ep_groups = max(1, world // topo.world_size)
-        mine = self._mine
+        # A layer on the dense schedule sends DeepSpeed's padded blocks whatever the layout: a new one saves
+        # nothing and would only restart `auto`'s timing. (All ranks agree on each layer's schedule.)
+        self._skipped = [] if self.mig.ignore_cost_model else [
+            i for i, layer in enumerate(self.layers) if layer.schedule == DENSE]
+        mine = [i for i in self._mine if i not in self._skipped]
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
                   "ignore_cost_model": self.mig.ignore_cost_model, "link": asdict(self.link)}
+        if self._planner is None:
+            return
+        t0 = time.perf_counter()
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
                    [stats[i].tokens / self._interval / ep_groups for i in mine], params)
         self._submit(request)
+        self._start_s["submit_s"] = time.perf_counter() - t0
 
     def _submit(self, request: tuple) -> None:
         self._pending, self._submit_error = request, None
@@ -167,6 +178,7 @@ class Replanner:
         L = len(self.layers)
         W = self.layers[0].topology.world_size
         S = self.layers[0].num_experts // W + self.cfg.redundant_slots
+        t0 = time.perf_counter()
         decisions, seconds, error = {}, 0.0, self._submit_error
         if self._planner is not None and error is None:
             decisions, seconds, error = self._planner.collect(self.cfg.plan_timeout_s)
@@ -187,14 +199,17 @@ class Replanner:
         actions = torch.where(planned, payload[:, 1], float(KEEP)).long().tolist()
         savings = payload[:, 2].tolist()
         slots = payload[:, 4:].numpy().astype(np.int64).reshape(L, W, S)
-        missing = [i for i in range(L) if not planned[i]]
+        missing = [i for i in range(L) if not planned[i] and i not in self._skipped]
         slowest = float(payload[:, 3].max())
-        self.history.append({"step": int(engine.global_steps), "planned": L - len(missing), "layers": L,
-                             "slowest_share_s": slowest})
+        self.history.append({"step": int(engine.global_steps), "planned": int(planned.sum()), "layers": L,
+                             "dense_skipped": list(self._skipped), "slowest_share_s": slowest,
+                             **self._start_s, "collect_s": time.perf_counter() - t0})
         if rank == 0:
-            logger.info(f"ds_cobalt replan at step {engine.global_steps}: {L - len(missing)} of {L} layer(s) "
+            logger.info(f"ds_cobalt replan at step {engine.global_steps}: {int(planned.sum())} of {L} layer(s) "
                         f"planned on {min(world, L)} rank(s), slowest share {slowest:.2f} s"
-                        + (f"; layers {missing} keep their layout" if missing else ""))
+                        + (f"; layers {missing} keep their layout" if missing else "")
+                        + (f"; layers {self._skipped} run the dense schedule (traffic independent of the layout) "
+                           "and keep theirs" if self._skipped else ""))
         to_migrate: list[np.ndarray | None] = [None] * L
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
             if action == REPLICAS:
@@ -217,7 +232,8 @@ class Replanner:
             st = layer.stats
             tensors |= {f"stats.{i}.load_E": st.load_E, f"stats.{i}.coact_EE": st.coact_EE,
                         f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens])}
-        meta = {"apply_at": "" if self._apply_at is None else str(self._apply_at), "pending": ""}
+        meta = {"apply_at": "" if self._apply_at is None else str(self._apply_at), "pending": "",
+                "skipped": json.dumps(self._skipped)}
         if self._pending is not None:
             tag, ids, stats, currents, tokens_per_step, params = self._pending
             meta |= {"pending": tag, "params": json.dumps(params), "pending_layers": json.dumps(ids)}
@@ -238,7 +254,7 @@ class Replanner:
                 getattr(st, name).copy_(tensors[f"stats.{i}.{name}"])
             st.tokens = int(tensors[f"stats.{i}.tokens"].item())
         self._apply_at = int(meta["apply_at"]) if meta.get("apply_at") else None
-        self._pending = None
+        self._pending, self._skipped = None, json.loads(meta.get("skipped") or "[]")
         if meta.get("pending") and self._planner is not None:
             ids = json.loads(meta["pending_layers"])
             t = {name: value.numpy() for name, value in tensors.items() if name.startswith("pending.")}

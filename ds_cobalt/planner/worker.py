@@ -1,6 +1,7 @@
 """The re-planning worker process: plans a share of the layers outside the training process.
 
     python -m ds_cobalt.planner.worker --policy cobalt [--policy-module mypkg.policies]
+    python -m ds_cobalt.planner.worker --warm-up     # compile the numba kernels once (scripts/setup.sh)
 
 Legend: E experts, K top-k, W EP ranks, S slots per rank, T sample tokens.
 
@@ -137,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="cobalt")
     p.add_argument("--policy-module", default=None, help="module whose import registers the policy")
+    p.add_argument("--warm-up", action="store_true", help="compile (or load) the numba kernels, then exit")
     args = p.parse_args(argv)
+    if args.warm_up:
+        t0 = time.perf_counter()
+        warm_up("cobalt")
+        print(f"[ds_cobalt.planner.worker] planner kernels ready ({time.perf_counter() - t0:.1f} s)")
+        return 0
     _die_with_parent()
     os.nice(NICE)
     try:

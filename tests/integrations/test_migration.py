@@ -407,9 +407,17 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
         out[f"{fault}_respawned"] = worker_pid(engine) != pid
         engine.destroy()
     costed = {"planner": {"replan_interval": 4, "policy": "cobalt", "apply_lag": 0}}
-    engine = build_engine("cobalt", 1, cobalt=costed)
+    engine = build_engine("cobalt", 1, cobalt={**costed, "transport": {"schedule": "hierarchical"}})
     out["costed"], layouts = _train_with_layouts(engine, steps)
     out["costed_layouts"] = layouts[-1]
+    (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+    out["costed_history"] = hook.history
+    engine.destroy()
+    # on the dense schedule a layout saves no traffic: the cost model plans nothing
+    engine = build_engine("cobalt", 1, cobalt={**costed, "transport": {"schedule": "dense"}})
+    train(engine, range(8))
+    (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+    out["dense_history"] = hook.history
     return out
 
 
@@ -433,6 +441,11 @@ def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_
                 assert all(np.array_equal(r[key][step][layer], res[0][key][step][layer]) for r in res)
     for layer in range(LAYERS):
         assert all(np.array_equal(r["costed_layouts"][layer], res[0]["costed_layouts"][layer]) for r in res)
+    for r in res:
+        assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["costed_history"]] == [
+            (4, 2, []), (8, 2, [])]  # both layers planned each time
+        assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["dense_history"]] == [
+            (4, 0, [0, 1]), (8, 0, [0, 1])]
     assert res[0]["killed_layouts"][-1][0].shape == (4, 3)
     logged = [p.name for p in tmp_path.rglob("*") if p.is_file()]
     assert any("migration" in name for name in logged), logged
