@@ -4,7 +4,7 @@
                                           [--steps 60] [--out runs/e2e]
 
 Models (examples/train_moe.py arguments):
-  default        8 experts, top-2, d_ff 128 (the example's defaults)
+  default        8 experts, top-2, d_ff 128 (the example's defaults before it became fine-grained)
   fine-grained   32 small experts, top-6, d_ff 32: DeepSeek-like (many experts per token, small GEMMs)
 
 Variants (same data, seed and initial weights; examples/train_moe.py):
@@ -61,7 +61,7 @@ VARIANTS = {
 
 
 MODELS = {
-    "default": [],
+    "default": ["--num-experts", "8", "--top-k", "2", "--d-ff", "128"],
     "fine-grained": ["--num-experts", "32", "--top-k", "6", "--d-ff", "32"],
 }
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cobalt_report import StepTracker, print_summary, save_plot, summarize  # noqa: E402
 from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
 from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder  # noqa: E402
 
@@ -39,15 +40,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", type=str, default=None, help="write per-step losses, tokens/s, traffic")
     p.add_argument("--trace-out", type=str, default=None, help="write the routing trace (.npz) on rank 0")
+    p.add_argument("--plot-out", type=str, default="runs/train_moe_report.png",
+                   help="where the cobalt run saves its traffic/load plot ('' = no plot)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=128)
+    p.add_argument("--d-ff", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--moe-every", type=int, default=1, help="1 = every layer is MoE, 2 = every other layer")
-    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--num-experts", type=int, default=32, help="fine-grained by default: 32 small experts, top-6")
     p.add_argument("--ep-size", type=int, default=0, help="expert-parallel size (0 = world size)")
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--min-capacity", type=int, default=4)
     p.add_argument("--no-drop-tokens", action="store_true", help="dropless routing (capacity = max load)")
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = initialize(args.moe_impl, model, args.deepspeed_config, config)
     meter = DeepSpeedTrafficMeter(model, ranks_per_node(config)) if args.moe_impl == "deepspeed" else None
     recorder = RoutingRecorder(model) if args.trace_out else None
+    tracker = StepTracker(model) if args.moe_impl == "cobalt" else None
 
     corpus = load_corpus(args.corpus_bytes)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(step_loss)  # mean over ranks
         losses.append(step_loss.item() / world)  # NOTE: host sync
         step_times.append(time.perf_counter() - t0)
+        if tracker is not None:
+            tracker.after_step()
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:.0f}")
             bar.update()
@@ -248,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     schedules = transport_schedules(args.moe_impl, model)
     if recorder is not None:
         recorder.save(args.trace_out)
+    per_step = tracker.gather() if tracker is not None else None
+    cobalt_did = summarize(per_step, engine) if per_step is not None else None
 
     if rank == 0:
         padded = total["deepspeed_inter_node_bytes_padded"]
@@ -269,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"
             )
+        if cobalt_did is not None:
+            plot = args.plot_out or None
+            if plot:
+                save_plot(per_step, cobalt_did, plot)
+            print_summary(cobalt_did, fmt_bytes, plot)
         if args.metrics_out:
             metrics = {
                 "moe_impl": args.moe_impl,
@@ -288,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                 "expert_load_max_over_mean": load_max_over_mean,
                 "migrations": migrations,
                 "transport_schedules": schedules,
+                "cobalt_did": cobalt_did,
+                "per_step": per_step,
                 "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                 "dtype": str(dtype),
             }

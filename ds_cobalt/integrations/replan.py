@@ -41,6 +41,9 @@ from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_p
 __all__ = ["Replanner", "KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "plan_layer_decision"]
 
 
+WORKER_LEAD_STEPS = 10  # a rank's planner worker starts this many steps before its first re-plan
+
+
 class Replanner:
     """The step hook. One instance per engine; see the module docstring for the timeline."""
 
@@ -79,7 +82,10 @@ class Replanner:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._mine = list(range(rank, len(self.layers), world))  # this rank's share of the layers
-        if self._mine:  # started now, so its imports load while training warms up
+
+    def _ensure_planner(self) -> None:
+        """Start this rank's planner (a rank with no layer to plan starts none)."""
+        if self._planner is None and self._mine:
             self._planner = make_planner(self.cfg.worker, self.cfg.policy, logger.warning)
 
     def close(self) -> None:
@@ -91,6 +97,8 @@ class Replanner:
         if not self.layers:
             return
         step = int(engine.global_steps)
+        if step % self._interval >= self._interval - min(self._interval, WORKER_LEAD_STEPS):
+            self._ensure_planner()  # a few steps early: its imports and kernels load meanwhile (~2 s)
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)
         if step % self._interval == 0:
@@ -149,7 +157,8 @@ class Replanner:
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
                   "ignore_cost_model": self.mig.ignore_cost_model, "link": asdict(self.link)}
-        if self._planner is None:
+        self._ensure_planner()
+        if self._planner is None:  # no layer of this rank to plan
             return
         t0 = time.perf_counter()
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
@@ -255,7 +264,8 @@ class Replanner:
             st.tokens = int(tensors[f"stats.{i}.tokens"].item())
         self._apply_at = int(meta["apply_at"]) if meta.get("apply_at") else None
         self._pending, self._skipped = None, json.loads(meta.get("skipped") or "[]")
-        if meta.get("pending") and self._planner is not None:
+        if meta.get("pending") and self._mine:
+            self._ensure_planner()
             ids = json.loads(meta["pending_layers"])
             t = {name: value.numpy() for name, value in tensors.items() if name.startswith("pending.")}
             stats = [LayerStats(t[f"pending.{i}.load_E"], t[f"pending.{i}.coact_EE"], int(t[f"pending.{i}.tokens"][0]),

@@ -392,19 +392,22 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
 
         cfg = {**forced, "planner": {**forced["planner"], **planner}}
         engine = build_engine("cobalt", 1, cobalt=cfg, extra=monitor)
-        pid = worker_pid(engine)
+        pids: list[int | None] = []
 
-        def kill_mid_plan(step: int, fault: str = fault, mark: Path = mark, pid: int | None = pid) -> None:
+        def kill_mid_plan(step: int, fault: str = fault, mark: Path = mark, pids: list = pids,
+                          engine: Any = engine) -> None:
+            if step == 5:
+                pids.append(worker_pid(engine))
             if fault == "killed" and rank == 1 and step == 5:
                 deadline = time.monotonic() + 60
                 while not mark.exists() and time.monotonic() < deadline:  # the worker is in the policy
                     time.sleep(0.05)
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pids[0], signal.SIGKILL)
 
         out[fault], out[f"{fault}_layouts"] = _train_with_layouts(engine, steps, kill_mid_plan)
         out[f"{fault}_migrations"] = [(m.step, m.ok, m.reason, sorted({mv[0] for mv in m.moved}))
                                       for m in engine.cobalt_migrations]
-        out[f"{fault}_respawned"] = worker_pid(engine) != pid
+        out[f"{fault}_respawned"] = worker_pid(engine) != pids[0]
         engine.destroy()
     costed = {"planner": {"replan_interval": 4, "policy": "cobalt", "apply_lag": 0}}
     engine = build_engine("cobalt", 1, cobalt={**costed, "transport": {"schedule": "hierarchical"}})

@@ -1,0 +1,126 @@
+"""What ds_cobalt did in a run of examples/train_moe.py: per-step cross-node bytes next to DeepSpeed's, per-GPU
+expert load, re-plans and migrations; printed at the end of the example's report and saved as a plot.
+
+`StepTracker.after_step()` reads this rank's cumulative counters (`ds_cobalt.traffic_summary`) after each
+optimizer step; `gather()` (collective) turns them into per-step totals over the ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KEYS = ("inter_node_bytes", "deepspeed_inter_node_bytes_padded", "expert_rows")
+
+
+class StepTracker:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._last = [0] * len(KEYS)
+        self.per_step: list[list[int]] = []  # this rank's [sent, DeepSpeed padded, expert rows] per step
+
+    def after_step(self) -> None:
+        import ds_cobalt
+
+        totals = ds_cobalt.traffic_summary(self.model)
+        now = [int(totals[k]) for k in KEYS]
+        self.per_step.append([a - b for a, b in zip(now, self._last)])
+        self._last = now
+
+    def gather(self) -> dict[str, list[float]]:
+        """Collective: cross-node bytes per step (sum over ranks), DeepSpeed's padded bytes for the same forwards,
+        and the per-GPU expert load max/mean of each step (rows computed, replicas included)."""
+        mine = torch.tensor(self.per_step, dtype=torch.float64).reshape(-1, len(KEYS))
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        stacked = torch.stack(every)  # [ranks, steps, keys]
+        rows = stacked[:, :, 2]
+        mean = rows.mean(0).clamp(min=1e-9)
+        return {"sent": stacked[:, :, 0].sum(0).tolist(), "deepspeed_padded": stacked[:, :, 1].sum(0).tolist(),
+                "load_max_over_mean": (rows.max(0).values / mean).tolist()}
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
+    """Before / after the first re-plan that moved experts (or changed replicas), from the gathered per-step data."""
+    from ds_cobalt.integrations.replan import Replanner
+
+    history = next((h.history for h in getattr(engine, "cobalt_step_hooks", []) if isinstance(h, Replanner)), [])
+    moves = [m for m in getattr(engine, "cobalt_migrations", []) if m.reason.startswith("replan")]
+    committed = [m for m in moves if m.ok]
+    first = committed[0].step if committed else None
+    # step i of the lists is optimizer step i + 1; a migration decided after step s serves from step s + 1 on
+    split = first if first is not None else len(per_step["sent"])
+    before, after = slice(1, split), slice(split, None)  # step 1 (lazy init, `auto`'s first trial) left out
+    out = {"replans": [h["step"] for h in history], "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
+           "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
+           "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
+           "first_migration_step": first}
+    for name, window in (("before", before), ("after", after)):
+        out[f"sent_per_step_{name}"] = _mean(per_step["sent"][window])
+        out[f"deepspeed_padded_per_step_{name}"] = _mean(per_step["deepspeed_padded"][window])
+        out[f"load_max_over_mean_{name}"] = _mean(per_step["load_max_over_mean"][window])
+    return out
+
+
+def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
+    print("what ds_cobalt did")
+    if not s["replans"]:
+        print("  re-plans            none (planner.replan_interval = 0, or the run ended before the first)")
+    else:
+        print(f"  re-plans            after steps {', '.join(map(str, s['replans']))} (worker processes; slowest "
+              f"rank's share {max(s['replan_slowest_share_s']):.2f} s)")
+    when = f", after steps {', '.join(map(str, s['migration_steps']))}" if s["migration_steps"] else ""
+    failed = f", {s['migrations_failed']} failed" if s["migrations_failed"] else ""
+    print(f"  migrations          {s['migrations']} committed ({s['experts_moved']} expert moves{when}){failed}")
+
+    def b(key: str) -> str:
+        return fmt_bytes(s[key] or 0)
+
+    if s["first_migration_step"] is None:
+        print(f"  cross-node / step   {b('sent_per_step_before')} (DeepSpeed {b('deepspeed_padded_per_step_before')})"
+              "; no migration to compare with")
+        print(f"  GPU load max/mean   {s['load_max_over_mean_before'] or 0:.3f}")
+    else:
+        print(f"  cross-node / step   before the first migration {b('sent_per_step_before')}, after "
+              f"{b('sent_per_step_after')} (DeepSpeed: {b('deepspeed_padded_per_step_before')}, "
+              f"{b('deepspeed_padded_per_step_after')})")
+        print(f"  GPU load max/mean   before {s['load_max_over_mean_before'] or 0:.3f}, after "
+              f"{s['load_max_over_mean_after'] or 0:.3f}")
+    if plot:
+        print(f"  plot                {plot}")
+
+
+def save_plot(per_step: dict[str, list[float]], s: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(1, len(per_step["sent"]) + 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [b / 2**20 for b in per_step["deepspeed_padded"]], label="DeepSpeed all-to-all (padded E x C)")
+    top.plot(steps, [b / 2**20 for b in per_step["sent"]], label="ds_cobalt")
+    top.set_ylabel("cross-node MiB / step")
+    top.legend(loc="upper right")
+    bottom.plot(steps, per_step["load_max_over_mean"], color="tab:green")
+    bottom.axhline(1.0, color="grey", lw=0.5)
+    bottom.set_ylabel("GPU expert load max / mean")
+    bottom.set_xlabel("optimizer step")
+    for ax in (top, bottom):
+        for i, step in enumerate(s["migration_steps"]):
+            ax.axvline(step, color="tab:red", ls="--", lw=0.8, label="migration" if ax is top and i == 0 else None)
+    if s["migration_steps"]:
+        top.legend(loc="upper right")
+    fig.suptitle("ds_cobalt: cross-node traffic and load per step")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
