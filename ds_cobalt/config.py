@@ -53,9 +53,9 @@ class PlannerConfig(_Section):
     migration cost model says it pays. At that step a rank waits at most `plan_timeout_s` for its worker;
     past it the worker is stopped, its layers keep their layout, and the next interval plans them again."""
 
-    replan_interval: int = Field(default=0, ge=0)
+    replan_interval: int = Field(default=50, ge=0)
     policy: str = "cobalt"
-    redundant_slots: int = Field(default=0, ge=0)
+    redundant_slots: int = Field(default=1, ge=0)
     apply_lag: int | None = Field(default=None, ge=0)
     sample_tokens: int = Field(default=1024, ge=0)
     seed: int = 0

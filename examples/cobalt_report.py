@@ -59,7 +59,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     # step i of the lists is optimizer step i + 1; a migration decided after step s serves from step s + 1 on
     split = first if first is not None else len(per_step["sent"])
     before, after = slice(1, split), slice(split, None)  # step 1 (lazy init, `auto`'s first trial) left out
-    out = {"replans": [h["step"] for h in history], "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
+    out = {"replans": [h.get("planned_after_step", h["step"]) for h in history],
+           "replan_dense_skipped": sum(len(h["dense_skipped"]) for h in history),
+           "replan_layers": sum(h["layers"] for h in history),
+           "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
            "first_migration_step": first}
@@ -77,6 +80,10 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     else:
         print(f"  re-plans            after steps {', '.join(map(str, s['replans']))} (worker processes; slowest "
               f"rank's share {max(s['replan_slowest_share_s']):.2f} s)")
+        if s["replan_dense_skipped"]:
+            print(f"                      {s['replan_dense_skipped']} of {s['replan_layers']} layer plans left out: "
+                  "those layers run DeepSpeed's dense exchange (fastest on this link), whose traffic no layout "
+                  "changes")
     when = f", after steps {', '.join(map(str, s['migration_steps']))}" if s["migration_steps"] else ""
     failed = f", {s['migrations_failed']} failed" if s["migrations_failed"] else ""
     print(f"  migrations          {s['migrations']} committed ({s['experts_moved']} expert moves{when}){failed}")
@@ -109,7 +116,7 @@ def save_plot(per_step: dict[str, list[float]], s: dict[str, Any], path: str) ->
     top.plot(steps, [b / 2**20 for b in per_step["deepspeed_padded"]], label="DeepSpeed all-to-all (padded E x C)")
     top.plot(steps, [b / 2**20 for b in per_step["sent"]], label="ds_cobalt")
     top.set_ylabel("cross-node MiB / step")
-    top.legend(loc="upper right")
+    top.legend(loc="center right")
     bottom.plot(steps, per_step["load_max_over_mean"], color="tab:green")
     bottom.axhline(1.0, color="grey", lw=0.5)
     bottom.set_ylabel("GPU expert load max / mean")
@@ -118,7 +125,7 @@ def save_plot(per_step: dict[str, list[float]], s: dict[str, Any], path: str) ->
         for i, step in enumerate(s["migration_steps"]):
             ax.axvline(step, color="tab:red", ls="--", lw=0.8, label="migration" if ax is top and i == 0 else None)
     if s["migration_steps"]:
-        top.legend(loc="upper right")
+        top.legend(loc="center right")
     fig.suptitle("ds_cobalt: cross-node traffic and load per step")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

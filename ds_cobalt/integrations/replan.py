@@ -55,7 +55,7 @@ class Replanner:
         self._submit_error: str | None = None
         self._pending: tuple | None = None  # this rank's request in flight (kept for checkpoints)
         self._skipped: list[int] = []  # layers left out of the plan in flight (dense schedule)
-        self._start_s: dict[str, float] = {}  # this rank's seconds in the last `_start` (gather, submit)
+        self._start_s: dict[str, float] = {}  # the last `_start`: its step, this rank's gather and submit seconds
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
@@ -144,7 +144,7 @@ class Replanner:
     def _start(self, engine: Any, step: int) -> None:
         t0 = time.perf_counter()
         stats = self._gather()
-        self._start_s = {"gather_s": time.perf_counter() - t0}
+        self._start_s = {"planned_after_step": step, "gather_s": time.perf_counter() - t0}
         self._apply_at = step + self.cfg.effective_apply_lag
         world = dist.get_world_size() if dist.is_initialized() else 1
         topo = self.layers[0].topology

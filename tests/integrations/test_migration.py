@@ -446,7 +446,7 @@ def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_
         assert all(np.array_equal(r["costed_layouts"][layer], res[0]["costed_layouts"][layer]) for r in res)
     for r in res:
         assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["costed_history"]] == [
-            (4, 2, []), (8, 2, [])]  # both layers planned each time
+            (4, 2, []), (8, 2, []), (12, 2, [])]  # both layers planned each time
         assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["dense_history"]] == [
             (4, 0, [0, 1]), (8, 0, [0, 1])]
     assert res[0]["killed_layouts"][-1][0].shape == (4, 3)
