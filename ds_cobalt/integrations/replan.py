@@ -199,8 +199,9 @@ class Replanner:
         # per layer: planned (1/0), action, saving_s, planning seconds, then W * S slots
         payload = torch.zeros((L, 4 + W * S), dtype=torch.float64)
         for i, d in decisions.items():
-            if d.slots_WS.shape == (W, S):
+            if d.action == KEEP or d.slots_WS.shape == (W, S):  # KEEP carries the current slots, of any width
                 payload[i, :4] = torch.tensor([1.0, d.action, d.saving_s, seconds], dtype=torch.float64)
+            if d.action != KEEP and d.slots_WS.shape == (W, S):
                 payload[i, 4:] = torch.from_numpy(d.slots_WS.reshape(-1).astype(np.float64))
         if dist.is_initialized():
             dist.all_reduce(payload)

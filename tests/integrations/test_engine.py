@@ -92,3 +92,41 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
     assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {},
                                                          "model": {}}]
+
+
+def _default_body(rank: int, world: int) -> dict:
+    from ds_cobalt.integrations.engine import cobalt_layers
+    from ds_cobalt.integrations.replan import Replanner
+
+    steps = range(57)
+    engine = build_engine("deepspeed", 1)
+    out = {"deepspeed": train(engine, steps)}
+    engine.destroy()
+    # a bare section (build_engine adds only ranks_per_node), and one that pins a layout-sensitive schedule
+    for name, cobalt in (("auto", {}), ("hierarchical", {"transport": {"schedule": "hierarchical"}})):
+        engine = build_engine("cobalt", 1, cobalt=cobalt)
+        out[name] = train(engine, steps)
+        (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+        out[f"{name}_history"] = [(h["planned_after_step"], h["step"], h["planned"], h["dense_skipped"])
+                                  for h in hook.history]
+        out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
+        out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
+        engine.destroy()
+    return out
+
+
+def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run_ranks) -> None:
+    import numpy as np
+
+    for out in run_ranks(_default_body, 4, ranks_per_node=2, timeout=400):
+        for name in ("auto", "hierarchical"):
+            np.testing.assert_allclose(out[name], out["deepspeed"], rtol=1e-5, atol=1e-6)
+            ((planned_after, applied, planned, skipped),) = out[f"{name}_history"]
+            assert (planned_after, applied) == (50, 55)  # planner.replan_interval 50, apply_lag 5
+            assert planned + len(skipped) == 2
+            for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
+                if i in skipped:  # dense: its traffic does not depend on the layout, so it keeps it
+                    assert schedule == "dense" and slots.shape == (4, 2)
+                else:  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
+                    assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all()
+        assert out["hierarchical_history"][0][3] == []

@@ -184,7 +184,8 @@ def _identical_training(rank: int, world: int, stage: int, steps: int, schedule:
     from ds_cobalt.integrations.engine import cobalt_layers
 
     runs = {}
-    transport = {"transport": {"schedule": schedule}}
+    # migrations by hand here: no re-planning (on by default from step 50) adding its own
+    transport = {"transport": {"schedule": schedule}, "planner": {"replan_interval": 0}}
     engine = build_engine("deepspeed", stage)
     runs["deepspeed"] = train(engine, range(steps))
     engine.destroy()
