@@ -11,7 +11,8 @@ the slowest rank's; the script prints median step times and the ratio of DeepSpe
 variant's (> 1 = faster than DeepSpeed), and writes them to `--json-out`.
 
 Variants (`--variants`): deepspeed, hierarchical, direct, dense, auto (ds_cobalt's `transport.schedule`), each
-with the config's `"cobalt"` section otherwise; the first `--skip` steps (warm-up, `auto`'s trials included
+with the config's `"cobalt"` section otherwise (re-planning on by default), and each of those with `-static`
+(re-planning off); the first `--skip` steps (warm-up, `auto`'s trials included
 in its median only when `--count-trials`) are left out.
 """
 
@@ -30,10 +31,18 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
-from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
+from moe_lm import (  # noqa: E402
+    MoELM,
+    add_model_arguments,
+    batch_for_rank,
+    load_corpus,
+    model_config_from,
+    set_threads_from_env,
+)
 from train_moe import initialize, moe_class, read_config  # noqa: E402
 
 SCHEDULES = ("hierarchical", "direct", "dense", "auto")
+STATIC = "-static"  # a variant "<schedule>-static": that schedule with re-planning off (planner.replan_interval 0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,18 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=["deepspeed", "hierarchical", "direct", "dense"],
-                   choices=["deepspeed", *SCHEDULES])
+                   choices=["deepspeed", *SCHEDULES, *(s + STATIC for s in SCHEDULES)])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--no-drop-tokens", action="store_true")
+    add_model_arguments(p)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
 
@@ -65,16 +67,17 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend=None)
     rank, world = dist.get_rank(), dist.get_world_size()
     base = read_config(args.deepspeed_config)
-    cfg = ModelConfig(d_model=args.d_model, n_heads=4, n_layers=args.n_layers, d_ff=args.d_ff, seq_len=args.seq_len,
-                      moe_every=1, num_experts=args.num_experts, ep_size=world, k=args.top_k,
-                      capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=not args.no_drop_tokens)
+    cfg = model_config_from(args, world)
     engines = {}
     for variant in args.variants:
         torch.manual_seed(args.seed)  # same initial weights for every variant
         impl = "deepspeed" if variant == "deepspeed" else "cobalt"
         config = copy.deepcopy(base)
         if impl == "cobalt":
-            config.setdefault("cobalt", {})["transport"] = {"schedule": variant}
+            cobalt = config.setdefault("cobalt", {})
+            cobalt["transport"] = {"schedule": variant.removesuffix(STATIC)}
+            if variant.endswith(STATIC):
+                cobalt["planner"] = {**cobalt.get("planner", {}), "replan_interval": 0}
         path = Path(f"/tmp/paired_steps_{variant}_rank{rank}.json")
         path.write_text(json.dumps(config))
         engines[variant] = initialize(impl, MoELM(cfg, moe_class(impl)), str(path), config)

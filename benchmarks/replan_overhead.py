@@ -29,7 +29,14 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
-from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
+from moe_lm import (  # noqa: E402
+    MoELM,
+    add_model_arguments,
+    batch_for_rank,
+    load_corpus,
+    model_config_from,
+    set_threads_from_env,
+)
 from train_moe import initialize, read_config  # noqa: E402
 
 MODES = ("off", "process", "thread")
@@ -46,12 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--sample-tokens", type=int, default=1024, help="cobalt.planner.sample_tokens")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--n-layers", type=int, default=8)
-    p.add_argument("--d-ff", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--num-experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=6)
+    add_model_arguments(p, n_layers=8, d_ff=32, num_experts=64, top_k=6)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
 
@@ -73,9 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend=None)
     rank, world = dist.get_rank(), dist.get_world_size()
     base = read_config(args.deepspeed_config)
-    cfg = ModelConfig(d_model=args.d_model, n_heads=4, n_layers=args.n_layers, d_ff=args.d_ff, seq_len=args.seq_len,
-                      moe_every=1, num_experts=args.num_experts, ep_size=world, k=args.top_k, capacity_factor=1.25,
-                      min_capacity=4, drop_tokens=True)
+    cfg = model_config_from(args, world)
     corpus = load_corpus(8 << 20)
     result: dict[str, dict] = {}
     for mode in args.modes:

@@ -171,6 +171,25 @@ class MoELM(nn.Module):
         return lm_loss + aux_loss_coef * aux, lm_loss, counts
 
 
+def add_model_arguments(p: Any, *, n_layers: int = 2, d_ff: int = 128, num_experts: int = 8, top_k: int = 2) -> None:
+    """The model flags the benchmarks share (benchmarks/paired_steps.py, benchmarks/replan_overhead.py)."""
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=n_layers)
+    p.add_argument("--d-ff", type=int, default=d_ff)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--num-experts", type=int, default=num_experts)
+    p.add_argument("--top-k", type=int, default=top_k)
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--no-drop-tokens", action="store_true")
+
+
+def model_config_from(args: Any, ep_size: int) -> ModelConfig:
+    """The `ModelConfig` of `add_model_arguments`' flags (4 heads, every FFN an MoE, min capacity 4)."""
+    return ModelConfig(d_model=args.d_model, n_heads=4, n_layers=args.n_layers, d_ff=args.d_ff, seq_len=args.seq_len,
+                       moe_every=1, num_experts=args.num_experts, ep_size=ep_size, k=args.top_k,
+                       capacity_factor=args.capacity_factor, min_capacity=4, drop_tokens=not args.no_drop_tokens)
+
+
 def set_threads_from_env() -> None:
     """One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (2 cores, 4 ranks here)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

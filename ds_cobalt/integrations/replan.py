@@ -92,6 +92,7 @@ class Replanner:
         """Stop the planner worker (the engine's `destroy`; a worker also dies with its rank)."""
         if self._planner is not None:
             self._planner.close()
+            self._planner = None
 
     def __call__(self, engine: Any) -> None:
         if not self.layers:
