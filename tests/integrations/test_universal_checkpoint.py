@@ -164,7 +164,6 @@ def _field(fields: list[str], row: np.ndarray, name: str) -> np.ndarray:
     return row[i * n: (i + 1) * n]
 
 
-@pytest.mark.slow
 def test_autoep_checkpoint_4_ranks_to_2_ranks_through_universal_checkpoint(run_ranks: Any, tmp_path) -> None:
     import torch
 
@@ -172,6 +171,12 @@ def test_autoep_checkpoint_4_ranks_to_2_ranks_through_universal_checkpoint(run_r
     for stage in STAGES:
         _convert(str(tmp_path / f"zero{stage}" / TAG))
         assert (tmp_path / f"zero{stage}" / "latest_universal").read_text().strip() == UNIVERSAL_TAG
+        # ds_cobalt's side files stay in the original tag: the converter copies neither (the load below must
+        # not need them)
+        names = {f"cobalt_{kind}_rank{r}.{ext}" for r in range(4)
+                 for kind, ext in (("replan", "safetensors"), ("state", "json"), ("state", "safetensors"))}
+        assert names <= set(os.listdir(tmp_path / f"zero{stage}" / TAG))
+        assert not names & set(os.listdir(tmp_path / f"zero{stage}" / UNIVERSAL_TAG))
     res = run_ranks(_load_at_2, 2, str(tmp_path), ranks_per_node=2, timeout=300)
 
     contiguous4, contiguous2 = np.arange(8).reshape(4, 2), np.arange(8).reshape(2, 4)
@@ -201,7 +206,7 @@ def test_autoep_checkpoint_4_ranks_to_2_ranks_through_universal_checkpoint(run_r
             for name in ("fp32", "exp_avg", "exp_avg_sq"):
                 full = torch.load(universal / f"{layer}.experts.{weight}" / f"{name}.pt", weights_only=False)["param"]
                 assert tuple(full.shape)[0] == 8, (key, tuple(full.shape))
-                np.testing.assert_array_equal(full[int(e)].reshape(-1).numpy(), _field(fields, row, name),
+                np.testing.assert_array_equal(full[int(e)].detach().reshape(-1).numpy(), _field(fields, row, name),
                                               err_msg=f"zero{stage} {universal} {key} {name}")
 
         saved_steps = saved[0][stage]["state"]["steps"]
@@ -220,6 +225,7 @@ def test_autoep_checkpoint_4_ranks_to_2_ranks_through_universal_checkpoint(run_r
             # the same state through ds_cobalt's portable state, and then the same training
             for key, (_, row) in out["portable_state"]["rows"].items():
                 np.testing.assert_array_equal(row, out["state"]["rows"][key][1], err_msg=key)
+            # (bit for bit here: same config, layout, data and state; 1e-6 is the contract)
             np.testing.assert_allclose(out["losses"], out["portable_losses"], rtol=0, atol=1e-6,
                                        err_msg=f"zero{stage} rank {rank}")
             assert out["steps_after"] == out["portable_steps_after"]
