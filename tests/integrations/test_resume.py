@@ -1,5 +1,6 @@
 """Exact resume: a run resumed from a checkpoint continues bit for bit like the uninterrupted run, with
-re-planning, replicas and owner migrations on, under ZeRO 1 and 2 (4 gloo CPU ranks, 2 nodes x 2).
+re-planning, replicas and owner migrations on, under ZeRO 1 and 2 for `ds_cobalt.MoE`, and under ZeRO 1 for
+DeepSpeed's AutoEP layers (a tiny Mixtral, tests/integrations/test_auto_ep.py) (4 gloo CPU ranks, 2 nodes x 2).
 
 The checkpoints are taken at step 5 (a plan gathered after step 4 is still in flight: the resumed run must submit
 it again and apply it at step 6), step 10 (the re-plan applied at step 10 started an asynchronous migration that
@@ -21,12 +22,12 @@ COBALT = {"planner": {"replan_interval": 4, "apply_lag": 2, "redundant_slots": 1
           "migration": {"ignore_cost_model": True}, "transport": {"schedule": "hierarchical"}}
 
 
-def _run(engine, steps: range, save_dir: str | None = None) -> dict:
+def _run(engine, steps: range, save_dir: str | None = None, train_step=None) -> dict:
     from ds_cobalt.integrations.engine import cobalt_layers
 
     losses, layouts = [], []
     for step in steps:
-        losses += train(engine, range(step, step + 1))
+        losses += (train_step or train)(engine, range(step, step + 1))
         layouts.append([layer.layout_slots.tolist() for layer in cobalt_layers(engine)])
         if save_dir is not None and engine.global_steps % SAVE_EVERY == 0:
             engine.save_checkpoint(save_dir)
@@ -50,6 +51,19 @@ def _resume(rank: int, world: int, root: str) -> dict:
             assert engine.global_steps == start
             out[f"resumed{stage}_{start}"] = _run(engine, range(start, STEPS))
             engine.destroy()
+    # The AutoEP path: DeepSpeed's AutoEP layers (tiny Mixtral) under ds_cobalt, ZeRO 1, resumed from step 5.
+    from test_auto_ep import _data, _engine, _steps
+
+    data = _data(rank)
+    autoep_cobalt = {"topology": {"ranks_per_node": 2}, **COBALT}
+    save_dir = os.path.join(root, "autoep")
+    engine = _engine("mixtral", 1, autoep_cobalt)
+    out["autoep_full"] = _run(engine, range(STEPS), save_dir, lambda e, r: _steps(e, data, r))
+    engine.destroy()
+    engine = _engine("mixtral", 1, autoep_cobalt)
+    engine.load_checkpoint(save_dir, tag="global_step5")
+    out["autoep_resumed"] = _run(engine, range(5, STEPS), None, lambda e, r: _steps(e, data, r))
+    engine.destroy()
     return out
 
 
@@ -64,6 +78,10 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(run_ranks: Any, tmp_path)
                 assert resumed["losses"] == full["losses"][start:]  # bit for bit
                 assert resumed["layouts"] == full["layouts"][start:]
                 assert resumed["replans"] == [p for p in full["replans"] if p[0] > start]
+        full, resumed = r["autoep_full"], r["autoep_resumed"]
+        assert [step for step, _ in full["replans"]] == [6, 10, 14]
+        assert resumed["losses"] == full["losses"][5:] and resumed["layouts"] == full["layouts"][5:]
+        assert resumed["replans"] == [p for p in full["replans"] if p[0] > 5]
     assert os.path.exists(tmp_path / "zero1" / "global_step5" / "cobalt_replan_rank3.safetensors")
 
 
