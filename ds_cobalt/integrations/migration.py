@@ -227,11 +227,14 @@ class PendingMigration:
                 layer.install_layout(slots)  # replica-only change: nothing to move
                 continue
             rows = rows_of[index]
-            recv, work = rows, None
+            recv, work, failure = rows, None, None
             group = layer.groups.ep_group
             try:
                 if fault_hook is not None:
                     fault_hook("transfer", index)
+            except Exception as err:  # noqa: BLE001 - reported at the commit; the transfer still runs
+                failure = f"layer {index}: {type(err).__name__}: {err}"
+            try:  # posted on every rank, failed or not, so that every rank's collectives still pair up
                 if group is not None:
                     recv = rows.new_empty((sum(moves.recv_splits), rows.shape[1]))
                     work = dist.all_to_all_single(recv, rows, list(moves.recv_splits), list(moves.send_splits),
@@ -239,7 +242,7 @@ class PendingMigration:
             except Exception as err:  # noqa: BLE001
                 work = _Failed(f"layer {index}: {type(err).__name__}: {err}")
             layer.call_before_next_forward(lambda index=index: self._commit_if_pending(index))
-            self._pending[index] = (layer, slots, moves, rows, recv, work)
+            self._pending[index] = (layer, slots, moves, rows, recv, work, failure)
         engine.cobalt_pending_migration = self
         if not self._pending:
             self._finish()
@@ -254,13 +257,15 @@ class PendingMigration:
 
     def commit(self, index: int) -> None:
         """Wait for layer `index`'s transfer, agree on every rank, then swap its state and layout."""
-        layer, slots, moves, rows, recv, work = self._pending.pop(index)
+        layer, slots, moves, rows, recv, work, failure = self._pending.pop(index)
         error = None
         try:
             if isinstance(work, _Failed):
                 raise RuntimeError(work.message)
             if work is not None:
                 work.wait()
+            if failure is not None:
+                raise RuntimeError(failure)
             if self.fault_hook is not None:
                 self.fault_hook("stage", index)
         except Exception as err:  # noqa: BLE001
