@@ -4,7 +4,8 @@ Trains examples/moe_lm.py's model with ds_cobalt (hierarchical schedule, re-plan
 - every `--migrate-every` steps moves the owners to a random layout (asynchronously, seeded by the step);
 - makes every `--fault-every`-th of those migrations fail in its transfer on one rank (fault hook), so it must
   roll back on all ranks;
-- saves a checkpoint every `--save-every` steps into `--ckpt`, and resumes from the latest one when it exists;
+- saves a checkpoint every `--save-every` steps into `--ckpt` (with torch's RNG state in the client state: the
+  gate's second-expert sampling draws from it), and resumes from the latest one when it exists;
 - with `--kill-at K` (and no checkpoint to resume from), rank 1 SIGKILLs itself after step K.
 Rank 0 appends one JSON line per step (`{"step", "loss"}`) and per migration report (`{"migration", "ok"}`) to
 `--log`, flushed as it goes, so a killed launch leaves what it did.
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model_config_from(args, world)
     engine = initialize("cobalt", MoELM(cfg, ds_cobalt.MoE), str(path), config)
     resumed = (Path(args.ckpt) / "latest").exists()
-    if resumed:
-        engine.load_checkpoint(args.ckpt)
+    if resumed:  # the gate's second-expert sampling draws from torch's RNG: its state is part of the checkpoint
+        _, client = engine.load_checkpoint(args.ckpt)
+        torch.set_rng_state(client["torch_rng_state"])
     start = int(engine.global_steps)
     log = open(args.log, "a") if rank == 0 else None
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         if step + 1 == args.kill_at and rank == 1 and not resumed:
             os.kill(os.getpid(), signal.SIGKILL)
         if (step + 1) % args.save_every == 0:
-            engine.save_checkpoint(args.ckpt)
+            engine.save_checkpoint(args.ckpt, client_state={"torch_rng_state": torch.get_rng_state()})
     say(done=args.steps)
     dist.barrier()
     dist.destroy_process_group()
