@@ -5,7 +5,7 @@ collective with it raises (gloo and NCCL see the closed connection; a peer that 
 one runs into ds_cobalt's group timeout, `cobalt.topology.group_timeout_s`), or the launcher stops them
 (DeepSpeed's `launch.py` terminates every rank once one exits non-zero), often before they log anything useful.
 `install` (called by `ds_cobalt.initialize`, one `all_gather_object` over the world group) records every rank's
-host and pid and starts a daemon thread that reads its host's peers' `/proc/<pid>/stat` every 0.25 s. The first
+host and pid and starts a daemon thread that reads its host's peers' `/proc/<pid>/stat` every 0.05 s. The first
 peer that becomes a zombie (dead, not yet reaped by its launcher) with a signal or a non-zero exit status is
 logged as `ds_cobalt: rank R (local rank L, pid P) on HOST died (killed by SIGKILL)` or `(exit status N)`; the
 deaths after it are mostly the launcher stopping the rest and are not logged, nor are clean exits. An uncaught
@@ -63,12 +63,10 @@ def _check(reason: str | None = None) -> Peer | None:
     if _REPORTED:
         return None
     host, me = socket.gethostname(), os.getpid()
-    for p in _PEERS:
-        if p.host != host or p.pid == me:
-            continue
-        death = _death(p.pid)
-        if death is None:
-            continue
+    dead = [(p, death) for p in _PEERS if p.host == host and p.pid != me and (death := _death(p.pid)) is not None]
+    # SIGTERM is how the launcher stops the others after the first death: those are not the news
+    dead = [(p, death) for p, death in dead if death != "killed by SIGTERM"]
+    for p, death in dead[:1]:
         _REPORTED.add(p.rank)
         rank = dist.get_rank() if dist.is_initialized() else "?"
         message = (f"ds_cobalt: rank {p.rank} (local rank {p.local_rank}, pid {p.pid}) on {p.host} died ({death}); "
@@ -85,7 +83,7 @@ def _watch(interval_s: float) -> None:
         time.sleep(interval_s)
 
 
-def install(interval_s: float = 0.25) -> None:
+def install(interval_s: float = 0.05) -> None:
     """Record every rank's host and pid (collective on the world group, once), start the watcher thread and
     hook uncaught exceptions (module docstring); the previous excepthook still runs afterwards."""
     if _PEERS or not (dist.is_available() and dist.is_initialized()):
