@@ -51,7 +51,10 @@ class PlannerConfig(_Section):
     process, which shares its GIL); the decisions are applied `apply_lag` steps later (0 = right away; default
     min(5, replan_interval), so a plan that takes a few steps does not stall training), on every rank, when the
     migration cost model says it pays. At that step a rank waits at most `plan_timeout_s` for its worker;
-    past it the worker is stopped, its layers keep their layout, and the next interval plans them again."""
+    past it the worker is stopped, its layers keep their layout, and the next interval plans them again.
+    `stage2`: `"step"` (default) refills the spare slots that hold no cross-node traffic copy in every forward of
+    the hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the
+    replicas the re-plan chose until the next one."""
 
     replan_interval: int = Field(default=50, ge=0)
     policy: str = "cobalt"
@@ -61,6 +64,7 @@ class PlannerConfig(_Section):
     seed: int = 0
     worker: Literal["process", "thread"] = "process"
     plan_timeout_s: float = Field(default=300.0, gt=0)
+    stage2: Literal["step", "interval"] = "step"
 
     @field_validator("policy")
     @classmethod

@@ -9,6 +9,8 @@ Entry points:
 - `pack_node(...)`: one node's owners and spare-slot experts onto its G GPUs, LPT + swap polish.
 - `plan_gpus(...)`: every node, with spare slots left after cross-node replicas filled by replicas of
   the node's hottest experts (EPLB's "most load per copy" rule), returning `[W, S]` slots.
+- `refill_node(...)`: stage 2 per step, one node's free spare slots refilled from one step's loads (the rule the
+  runtime applies every forward, `runtime/step_spares.py`, and the replay simulates, `sim/replay.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 
 from .assign import assign_tasks
 
-__all__ = ["node_loads", "replicate_hot", "pack_node", "plan_gpus"]
+__all__ = ["node_loads", "replicate_hot", "pack_node", "plan_gpus", "refill_node"]
 
 
 def node_loads(
@@ -122,3 +124,75 @@ def plan_gpus(
         spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
         slots_WS[n * G : (n + 1) * G] = pack_node(per_copy[is_owner], ids[is_owner], spare_load, spare_ids, G, R)
     return slots_WS
+
+
+_OUTSIDE = 1 << 40  # stands for "not a copy of this expert" in the integer water-fill (no overflow below 2**62)
+
+
+def _water_fill(base_XG: np.ndarray, member_XG: np.ndarray, load_X: np.ndarray) -> np.ndarray:
+    """`[X, G]` integer shares: each row's `load_X` rows poured onto its member GPUs, lowest base load first,
+    so the largest `base + share` is as low as it can be; the remainder rows go to the lower (base, GPU)."""
+    X, G = base_XG.shape
+    b_XG = np.where(member_XG, base_XG, _OUTSIDE)
+    order_XG = np.argsort(b_XG, axis=1, kind="stable")
+    bs_XG = np.take_along_axis(b_XG, order_XG, 1)
+    prefix_XG = np.cumsum(bs_XG, 1)
+    k_G = np.arange(1, G + 1)
+    active_X = ((k_G * bs_XG - prefix_XG) <= load_X[:, None]).sum(1)  # GPUs that end at the common level
+    active_X = np.maximum(active_X, 1)
+    total_X = load_X + np.take_along_axis(prefix_XG, (active_X - 1)[:, None], 1)[:, 0]
+    level_X, rem_X = total_X // active_X, total_X % active_X
+    j_G = np.arange(G)[None, :]
+    share_sorted = np.where(j_G < active_X[:, None], level_X[:, None] + (j_G < rem_X[:, None]) - bs_XG, 0)
+    share_XG = np.zeros_like(share_sorted)
+    np.put_along_axis(share_XG, order_XG, share_sorted, 1)
+    return np.where(member_XG, share_XG, 0)
+
+
+def refill_node(block_GS: np.ndarray, free_GS: np.ndarray, load_E: np.ndarray,
+                eligible_E: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 2 for one step on one node: `[G, S]` slots with the slots in `free_GS` refilled, and `[G, S]` the
+    rows each slot serves, from the node's integer `load_E` (routes per expert).
+
+    An expert's rows are split over its copies so that the most loaded of them is as low as it can be (integer
+    water-filling, `_water_fill`). Each free slot in turn takes the copy (an expert held on the node and in
+    `eligible_E`, default all, on a GPU with a free slot and no copy of it) that leaves the lowest largest GPU
+    load, then the lowest sum of squared GPU loads; it stays empty when no copy lowers either. Integer arithmetic
+    only and ties to the lower index (expert, GPU, slot): every rank of the node decides the same."""
+    G, S = block_GS.shape
+    free = np.asarray(free_GS, dtype=bool).copy()
+    out = np.where(free, -1, block_GS).astype(np.int64)
+    load_E = np.asarray(load_E, dtype=np.int64)
+    ids = np.unique(out[out >= 0])
+    held_GI = (out[:, :, None] == ids[None, None, :]).any(1)
+    load_I = load_E[ids]
+    share_IG = (held_GI * load_I).T  # one copy: all its rows
+    multi_I = held_GI.sum(0) > 1
+    share_IG[multi_I] = 0
+    for i in [i for i in np.lexsort((np.arange(ids.size), -load_I)) if multi_I[i]]:  # heaviest first
+        share_IG[i] = _water_fill((share_IG.sum(0) - share_IG[i])[None], held_GI[:, i][None], load_I[i:i + 1])[0]
+    can_I = load_I > 0
+    if eligible_E is not None:
+        can_I &= np.asarray(eligible_E, dtype=bool)[ids]
+    while free.any() and ids.size:
+        load_G = share_IG.sum(0)
+        cand_i, cand_g = np.nonzero(can_I[:, None] & ~held_GI.T & free.any(1)[None, :])
+        if cand_i.size == 0:
+            break
+        member_XG = held_GI.T[cand_i].copy()
+        member_XG[np.arange(cand_i.size), cand_g] = True
+        base_XG = load_G[None, :] - share_IG[cand_i]
+        new_XG = base_XG + _water_fill(base_XG, member_XG, load_I[cand_i])
+        new_max, new_ss = new_XG.max(1), (new_XG ** 2).sum(1)
+        best = int(np.lexsort((cand_g, cand_i, new_ss, new_max))[0])
+        if (new_max[best], new_ss[best]) >= (load_G.max(), (load_G ** 2).sum()):
+            break
+        i, g = int(cand_i[best]), int(cand_g[best])
+        slot = int(np.argmax(free[g]))
+        out[g, slot], free[g, slot], held_GI[g, i] = ids[i], False, True
+        share_IG[i] = new_XG[best] - base_XG[best]
+    # an expert's share on a GPU goes to its first slot there
+    first_GS = (out >= 0) & ~np.tril(out[:, :, None] == out[:, None, :], -1).any(2)
+    index_GS = np.searchsorted(ids, np.maximum(out, 0)).clip(max=max(ids.size - 1, 0))
+    share_GS = np.where(first_GS, share_IG[index_GS, np.arange(G)[:, None]] if ids.size else 0, 0)
+    return out, share_GS

@@ -14,6 +14,8 @@ Backward reuses the plan through autograd (every all-to-all is differentiable).
 
 `dispatch`/`combine` (no overlap): one count exchange over the EP group gives both stages' sizes
 (`plan_layer`, the one host sync), rows and routes share one rail message: forward 5 collectives, backward 4.
+With refillable spare slots (`step_spares`, stage 2 every step) sources choose only nodes, the count exchange
+carries per-expert counts instead of per-slot ones, and each relay picks the copies after it.
 The phases (`plan_rail`, `rail_payload`, `relay_routes`, `node_counts`) are shared with the overlapped
 schedule in `overlap.py`, which exchanges counts per rail chunk and per round.
 """
@@ -23,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
 from .comm import all_to_all_row_pair, all_to_all_rows, exchange_counts
-from .placement import LayerPlacement, assign_tasks
+from .placement import LayerPlacement, assign_nodes, assign_tasks, rank_within_key
+from .step_spares import NodeSpares, StepFill, copy_of_routes, fill_step
 from .topology import EPGroups, Topology
 from .traffic import ExchangeCounts
 
@@ -41,8 +45,8 @@ class RailPlan:
     """This rank's routes after task assignment, and the inter-node (rail) split sizes."""
 
     num_tokens: int
-    dest_rank_TK: torch.Tensor  # [T, K] int64 EP rank serving each route, -1 = dropped
-    dest_slot_TK: torch.Tensor  # [T, K] int64 slot on that rank
+    dest_rank_TK: torch.Tensor | None  # [T, K] int64 EP rank serving each route, -1 = dropped; None: relays pick
+    dest_slot_TK: torch.Tensor | None  # [T, K] int64 slot on that rank
     pair_token_P: torch.Tensor  # [P_out] token of each (token, remote node) pair, node-major
     route_t: torch.Tensor  # [R_out] token of each remote route, node-major
     route_k: torch.Tensor  # [R_out] its top-k column
@@ -53,6 +57,7 @@ class RailPlan:
     rail_recv: tuple[int, ...]
     route_send: tuple[int, ...]  # remote routes to each node
     route_recv: tuple[int, ...]
+    expert_TK: torch.Tensor | None = None  # [T, K] int64 expert of each route, when relays pick the copies
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ class DispatchHandle:
 class _Routes:
     """Task assignment and (token, remote node) dedup of one rank's routes, on the device."""
 
-    dest_rank_TK: torch.Tensor
-    dest_slot_TK: torch.Tensor
+    dest_rank_TK: torch.Tensor | None  # None: only the node is chosen here (the relay picks the copy)
+    dest_slot_TK: torch.Tensor | None
     dest_node_TK: torch.Tensor  # -1 = dropped
     remote_TK: torch.Tensor
     local_TK: torch.Tensor
@@ -98,15 +103,20 @@ class _Routes:
 
 
 def _assigned_routes(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str,
-                     assignment: tuple[torch.Tensor, torch.Tensor] | None) -> _Routes:
+                     assignment: tuple[torch.Tensor, torch.Tensor] | None, nodes_only: bool = False) -> _Routes:
     topo = groups.topology
     T = topk_ids_TK.shape[0]
     N, G = topo.nodes, topo.ranks_per_node
     if T >= _EXACT_FP32_INT:
         raise ValueError(f"ds_cobalt: {T} tokens on one rank in one MoE call; at most {_EXACT_FP32_INT - 1} supported")
-    dest_rank_TK, dest_slot_TK = assignment or assign_tasks(topk_ids_TK, placement, topo.rank)
-    valid_TK = dest_rank_TK >= 0
-    dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
+    if nodes_only:
+        dest_rank_TK = dest_slot_TK = None
+        dest_node_TK = assign_nodes(topk_ids_TK, placement, topo.rank)
+        valid_TK = dest_node_TK >= 0
+    else:
+        dest_rank_TK, dest_slot_TK = assignment or assign_tasks(topk_ids_TK, placement, topo.rank)
+        valid_TK = dest_rank_TK >= 0
+        dest_node_TK = torch.where(valid_TK, dest_rank_TK // G, torch.full_like(dest_rank_TK, -1))
     remote_TK = valid_TK & (dest_node_TK != topo.node)
     pair_token_P, rail_send_N, pair_index_TK = dedup_pairs(dest_node_TK, topo.node, N, padded=True, backend=backend)
     route_send_N = torch.zeros(N, dtype=torch.int64, device=topk_ids_TK.device).scatter_add_(
@@ -116,11 +126,13 @@ def _assigned_routes(topk_ids_TK: torch.Tensor, placement: LayerPlacement, group
 
 
 def _rail_plan(r: _Routes, groups: EPGroups, rail_send: tuple[int, ...], route_send: tuple[int, ...],
-               rail_recv: tuple[int, ...], route_recv: tuple[int, ...], num_local: int) -> RailPlan:
+               rail_recv: tuple[int, ...], route_recv: tuple[int, ...], num_local: int,
+               expert_TK: torch.Tensor | None = None) -> RailPlan:
     """Remote routes node-major (token order inside a node) and local routes in token order, as stable sorts
-    cut at the exchanged sizes (no data-dependent `nonzero`)."""
+    cut at the exchanged sizes (no data-dependent `nonzero`). Route metadata: (row in the pair block,
+    destination local rank, slot), or (row, expert, 0) when relays pick the copies (`expert_TK` given)."""
     N, G = groups.topology.nodes, groups.topology.ranks_per_node
-    T, K = r.dest_rank_TK.shape
+    T, K = r.dest_node_TK.shape
     route_key = torch.where(r.remote_TK, r.dest_node_TK, torch.full_like(r.dest_node_TK, N)).reshape(-1)
     route_tk = torch.argsort(route_key, stable=True)[: sum(route_send)]
     route_t, route_k = route_tk // K, route_tk % K
@@ -128,16 +140,17 @@ def _rail_plan(r: _Routes, groups: EPGroups, rail_send: tuple[int, ...], route_s
     local_t, local_k = local_tk // K, local_tk % K
     route_node = r.dest_node_TK[route_t, route_k]
     pair_start_N = torch.cumsum(r.rail_send_N, 0) - r.rail_send_N
-    route_meta_R3 = torch.stack([
-        r.pair_index_TK[route_t, route_k] - pair_start_N[route_node],
-        r.dest_rank_TK[route_t, route_k] % G,
-        r.dest_slot_TK[route_t, route_k],
-    ], dim=1).to(torch.float32)
+    pair_row = r.pair_index_TK[route_t, route_k] - pair_start_N[route_node]
+    if expert_TK is None:
+        target = (r.dest_rank_TK[route_t, route_k] % G, r.dest_slot_TK[route_t, route_k])
+    else:
+        target = (expert_TK[route_t, route_k], torch.zeros_like(pair_row))
+    route_meta_R3 = torch.stack([pair_row, *target], dim=1).to(torch.float32)
     return RailPlan(
         num_tokens=T, dest_rank_TK=r.dest_rank_TK, dest_slot_TK=r.dest_slot_TK,
         pair_token_P=r.pair_token_P[: sum(rail_send)],
         route_t=route_t, route_k=route_k, route_meta_R3=route_meta_R3, local_t=local_t, local_k=local_k,
-        rail_send=rail_send, route_send=route_send, rail_recv=rail_recv, route_recv=route_recv,
+        rail_send=rail_send, route_send=route_send, rail_recv=rail_recv, route_recv=route_recv, expert_TK=expert_TK,
     )
 
 
@@ -166,17 +179,23 @@ class LayerPlan:
     send_GS: list[list[int]]  # rows this relay sends to each local rank, per slot
     recv_GS: list[list[int]]  # rows this expert rank receives from each local rank (relay), per slot
     capacity: int  # this rank's value of `capacity`, or the largest over the EP group (`reduce_capacity`)
+    fill: StepFill | None = None  # this forward's refill of the node's spare slots (`spares` given)
+    counts_WE: torch.Tensor | None = None  # [W, E] routes of each expert each source sends to this node
 
 
 def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str = "torch",
-               capacity: torch.Tensor | int = 0, reduce_capacity: bool = False) -> LayerPlan:
+               capacity: torch.Tensor | int = 0, reduce_capacity: bool = False,
+               spares: NodeSpares | None = None) -> LayerPlan:
     """Task assignment, dedup and one count exchange over the EP group for both stages (one host sync).
 
     Every source (n, g) sends each rank (m, g') its pair and route counts for node m and its route counts
     per (rank of node m, slot). Rank (m, g') then knows, as rail peer, what arrives on the rail; as relay,
     what it forwards to each local rank (sum over the sources with local index g'); as expert rank, what
     each relay g sends it (sum over the sources with local index g). `capacity` (a DeepSpeed gate's, for
-    the counters) rides along; with `reduce_capacity` the largest over the group is returned."""
+    the counters) rides along; with `reduce_capacity` the largest over the group is returned.
+    With `spares` the per-slot counts are replaced by per-expert ones (`_plan_layer_refilled`)."""
+    if spares is not None:
+        return _plan_layer_refilled(topk_ids_TK, placement, groups, backend, capacity, reduce_capacity, spares)
     topo = groups.topology
     N, G, W, S = topo.nodes, topo.ranks_per_node, topo.world_size, placement.slots_per_rank
     r = _assigned_routes(topk_ids_TK, placement, groups, backend, None)
@@ -209,6 +228,39 @@ def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPG
     return LayerPlan(rail, send_GS, recv_GS, host[-1])
 
 
+def _plan_layer_refilled(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str,
+                         capacity: torch.Tensor | int, reduce_capacity: bool, spares: NodeSpares) -> LayerPlan:
+    """`plan_layer` with stage 2 every step: every source (n, g) sends each rank of node m its pair and route
+    counts for node m and its route counts per expert there; every rank of node m then holds the node's loads
+    and refills the spare slots from them (`step_spares.fill_step`, the same on every rank of the node)."""
+    topo = groups.topology
+    N, G, W, E = topo.nodes, topo.ranks_per_node, topo.world_size, placement.num_experts
+    r = _assigned_routes(topk_ids_TK, placement, groups, backend, None, nodes_only=True)
+    device = topk_ids_TK.device
+    expert_TK = topk_ids_TK.clamp(min=0).long()
+    node = r.dest_node_TK.reshape(-1)
+    key = torch.where(node >= 0, node * E + expert_TK.reshape(-1), torch.full_like(node, N * E))
+    per_expert_NE = torch.bincount(key, minlength=N * E + 1)[: N * E].reshape(N, E)
+    peer_node = torch.arange(W, device=device) // G
+    cap = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1, 1).expand(W, 1)
+    send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_expert_NE[peer_node],
+                         cap], 1)
+    recv_WF = exchange_counts(send_WF, groups.ep_group)
+    recv_NGF = recv_WF.reshape(N, G, -1)
+    me = topo.local_rank
+    counts_WE = recv_WF[:, 2: 2 + E]
+    host = torch.cat([
+        r.rail_send_N, r.route_send_N, r.local_TK.sum().reshape(1), recv_NGF[:, me, 0], recv_NGF[:, me, 1],
+        counts_WE.reshape(N, G, E).sum(0).reshape(-1),  # routes of each expert through each relay
+        recv_WF[:, -1].max().reshape(1) if reduce_capacity else recv_NGF[topo.node, me, -1:],
+    ]).tolist()  # NOTE: host sync (the layer's only one)
+    rail = _rail_plan(r, groups, tuple(host[:N]), tuple(host[N: 2 * N]), tuple(host[2 * N + 1: 3 * N + 1]),
+                      tuple(host[3 * N + 1: 4 * N + 1]), host[2 * N], expert_TK)
+    at = 4 * N + 1
+    fill = fill_step(spares, np.asarray(host[at: at + G * E], dtype=np.int64).reshape(G, E), me, device)
+    return LayerPlan(rail, fill.send_GS, fill.recv_GS, host[-1], fill, counts_WE)
+
+
 def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan,
                  backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """What goes on the rail: pair rows `[P_out, D]` and routes `[R_out, 4]` (metadata and gate weight)."""
@@ -218,14 +270,19 @@ def rail_payload(x_TD: torch.Tensor, weights_TK: torch.Tensor, plan: RailPlan,
 
 
 def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch.Tensor | None,
-                 pool_offset: int, groups: EPGroups, slots: int, include_local: bool = True) -> RelayRoutes:
+                 pool_offset: int, groups: EPGroups, slots: int, include_local: bool = True,
+                 refill: tuple[StepFill, torch.Tensor] | None = None) -> RelayRoutes:
     """The relay's routes: its own tokens' routes on this node (pool rows = token index) and/or routes
-    received on the rail (pool rows = `pool_offset` + received pair row), sorted by (local rank, slot)."""
+    received on the rail (pool rows = `pool_offset` + received pair row), sorted by (local rank, slot).
+    `refill`: this forward's `StepFill` and `counts_WE` (`LayerPlan`): the relay picks each route's copy."""
     G, N = groups.topology.ranks_per_node, groups.topology.nodes
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     if include_local:
         t, k = plan.local_t, plan.local_k
-        parts.append((t, plan.dest_rank_TK[t, k] % G, plan.dest_slot_TK[t, k], weights_TK[t, k]))
+        if refill is None:
+            parts.append((t, plan.dest_rank_TK[t, k] % G, plan.dest_slot_TK[t, k], weights_TK[t, k]))
+        else:  # (pool row, source rank, expert, weight): the copy is picked below
+            parts.append((t, torch.full_like(t, groups.topology.rank), plan.expert_TK[t, k], weights_TK[t, k]))
     if recv_routes_R4 is not None:
         device = recv_routes_R4.device
         recv = torch.tensor(plan.rail_recv, device=device)
@@ -233,8 +290,14 @@ def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch
                                            output_size=sum(plan.route_recv))
         meta = recv_routes_R4[:, :3].detach().long()
         pool = pool_offset + (recv.cumsum(0) - recv)[src_node] + meta[:, 0]
-        parts.append((pool, meta[:, 1], meta[:, 2], recv_routes_R4[:, 3]))
+        second = meta[:, 1] if refill is None else src_node * G + groups.topology.local_rank
+        parts.append((pool, second, meta[:, 1] if refill is not None else meta[:, 2], recv_routes_R4[:, 3]))
     pool_R, local_R, slot_R, weight_R = (torch.cat(cols) for cols in zip(*parts))
+    if refill is not None:  # local_R, slot_R hold (source rank, expert) so far
+        fill, counts_WE = refill
+        src_R, expert_R = local_R, slot_R
+        order_R = rank_within_key(src_R * counts_WE.shape[1] + expert_R)
+        local_R, slot_R = copy_of_routes(fill, counts_WE, G, src_R, expert_R, order_R)
     order = torch.argsort(local_R * slots + slot_R, stable=True)
     return RelayRoutes(pool_R[order], local_R[order], slot_R[order], weight_R[order])
 
@@ -271,8 +334,13 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
     `topk_ids_TK`: int, -1 = dropped route. `weights_TK`: gate weights (differentiable). Collectives: one count
     exchange, one rail message (rows with their routes), one node message; one host sync.
     """
-    S = placement.slots_per_rank
     layer = plan_layer(topk_ids_TK, placement, groups, backend, capacity, reduce_capacity)
+    return dispatch_planned(x_TD, weights_TK, layer, groups, placement.slots_per_rank, backend)
+
+
+def dispatch_planned(x_TD: torch.Tensor, weights_TK: torch.Tensor, layer: LayerPlan, groups: EPGroups, S: int,
+                     backend: str = "torch") -> tuple[torch.Tensor, DispatchHandle]:
+    """`dispatch` after `plan_layer`: the rail message and the node message (S slots per rank)."""
     plan = layer.rail
 
     # Step 3: inter-node stage (rail): pair rows and their routes in one message.
@@ -281,7 +349,8 @@ def dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Te
                                               (plan.rail_recv, plan.route_recv), groups.rail_group)
 
     # Step 4: relay routes = own tokens' routes on this node + routes received on the rail.
-    relay = relay_routes(plan, weights_TK, recv_routes, plan.num_tokens, groups, S)
+    relay = relay_routes(plan, weights_TK, recv_routes, plan.num_tokens, groups, S,
+                         refill=None if layer.fill is None else (layer.fill, layer.counts_WE))
 
     # Step 5: intra-node stage; the counts exchanged in `plan_layer` give every split size.
     send_GS, recv_GS = layer.send_GS, layer.recv_GS

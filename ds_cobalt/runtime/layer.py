@@ -42,9 +42,10 @@ from .dispatch import deepspeed_remote_routes
 from .link_probe import probe_links
 from .moe_exchange import OverlapSettings, bind, moe_exchange, slot_experts
 from .placement import LayerPlacement, build_placement
-from .replicas import ReplicaPlan, plan_replicas
+from .replicas import ReplicaPlan, plan_replicas, plan_replicas_of
 from .schedule_model import gather_routing, hardware_of, model_pruned, predict_comm_seconds
 from .stats import DeviceRoutingStats
+from .step_spares import BalanceCounters, NodeSpares, node_spares
 from .tile_tuner import OverlapTuner, StepTimedChoice
 from .topology import EPGroups, Topology
 from .traffic import StepTraffic, TrafficCounters
@@ -94,6 +95,13 @@ class _Settings(Protocol):
     @property
     def transport(self) -> "_TransportSettings": ...
 
+    @property
+    def planner(self) -> "_PlannerSettings": ...
+
+
+class _PlannerSettings(Protocol):
+    stage2: str
+
 
 class _KernelSettings(Protocol):
     backend: str
@@ -117,6 +125,7 @@ class LayerCore:
         self.stats = DeviceRoutingStats(num_experts, top_k, device=device(), planning=False)
         self.traffic = TrafficCounters()
         self.tuner = OverlapTuner()
+        self.balance = BalanceCounters()  # per-GPU load of this node with and without stage 2 every step
         self.trace_rows: list[torch.Tensor] | None = None  # top-k ids per forward while a trace records
         self._owner = weakref.ref(owner)
         self._pieces = pieces
@@ -127,6 +136,7 @@ class LayerCore:
         self._chooser: StepTimedChoice | None = None
         self._dense_capacities: set[int] = set()  # fixed capacities all ranks confirmed for `dense`
         self._replica_plan: ReplicaPlan | None = None
+        self._spares: NodeSpares | None = None  # stage 2 every step (hierarchical schedule), None = off
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
 
@@ -194,6 +204,9 @@ class LayerCore:
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, self._device())
         self._flat_placement = build_placement(slots_WS, 1, self.num_experts, self._device())
         self._replica_plan = plan_replicas(self._placement, topo.rank)
+        self._spares = None
+        if self.settings.planner.stage2 == "step" and topo.ranks_per_node > 1:
+            self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank)
         self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
 
     def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:
@@ -280,24 +293,28 @@ class LayerCore:
         self.stats.update(topk_ids_TK)
         if self.trace_rows is not None:
             self.trace_rows.append(topk_ids_TK.detach().cpu())
-        anchor = None
         if schedule == DENSE:
-            slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement, None, groups,
-                                    experts.owner_modules)
+            slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
+                                    None, groups, experts.owner_modules)
             out_TD, counts = dense_moe(x_TD, topk_ids_TK, locations_TK, weights_TK, placement, groups,
                                        [None if slot is None else bind(slot) for slot in slots], capacity,
                                        self.backend(x_TD.device))
             if not padded_by_deepspeed:  # the padding is ours: DeepSpeed's (AutoEP's) layer would pad nothing
                 counts = replace(counts, deepspeed_capacity=0)
         else:
-            slots, anchor = slot_experts(experts.module, experts.names, experts.owner_tensors, placement,
-                                         self._replica_plan, groups, experts.owner_modules)
-            out_TD, counts = moe_exchange(x_TD, topk_ids_TK, weights_TK, placement, groups, slots,
-                                          overlap=_Phased() if flat else self.settings.overlap, tuner=self.tuner,
-                                          backend=self.backend(x_TD.device),
-                                          capacity=(deepspeed_capacity, capacity_is_local))
-        if anchor is not None:
-            out_TD = out_TD + anchor
+            def slots_for(step_slots_WS: np.ndarray | None):
+                plan = (self._replica_plan if step_slots_WS is None
+                        else plan_replicas_of(step_slots_WS, self.num_experts, topo.rank))
+                return slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
+                                    plan, groups, experts.owner_modules)
+
+            out_TD, counts, fill = moe_exchange(x_TD, topk_ids_TK, weights_TK, placement, groups, slots_for,
+                                                overlap=_Phased() if flat else self.settings.overlap,
+                                                tuner=self.tuner, backend=self.backend(x_TD.device),
+                                                capacity=(deepspeed_capacity, capacity_is_local),
+                                                spares=None if flat else self._spares)
+            if fill is not None:
+                self.balance.add(fill)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         G = topo.ranks_per_node
         rail_nodes = [p // G for p in range(topo.world_size)] if flat else list(range(topo.nodes))

@@ -96,27 +96,19 @@ def rank_within_key(key: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
-                 src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick a physical copy (EP rank, slot) for every (token, route) of tokens living on `src_rank`.
-
-    Nodes first: a route goes to the token's own node when it holds the expert, else to a node the
-    token already visits, else to the node covering most of the token's remaining routes (greedy set
-    cover, ties rotated from the source node so sources spread). Inside the chosen node, routes of one
-    expert are dealt round-robin over its copies (offset by the source rank) to balance GPUs.
-    Returns `dest_rank_TK`, `dest_slot_TK` (int64, -1 where `topk_ids_TK` is -1).
-    """
+def assign_nodes(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank: int) -> torch.Tensor:
+    """Steps 1-3 of `assign_tasks`: the node serving every (token, route) of tokens living on `src_rank`
+    (int64 `[T, K]`, -1 where `topk_ids_TK` is -1)."""
     T, K = topk_ids_TK.shape
     device = topk_ids_TK.device
     N, G = placement.nodes, placement.ranks_per_node
     src_node = src_rank // G
     valid_TK = topk_ids_TK >= 0
     ids_TK = topk_ids_TK.clamp(min=0).long()
-    if placement.single_copy:  # no choice to make: the one copy (the owner) serves every route
-        per_rank = placement.owner_slots_per_rank
+    if placement.single_copy:  # the one copy (the owner) serves every route
         block_TK = placement.owner_block_E[ids_TK]
-        minus = torch.full_like(block_TK, -1)
-        return (torch.where(valid_TK, block_TK // per_rank, minus), torch.where(valid_TK, block_TK % per_rank, minus))
+        node_TK = block_TK // (placement.owner_slots_per_rank * G)
+        return torch.where(valid_TK, node_TK, torch.full_like(node_TK, -1))
     holds_TKN = placement.holds_EN[ids_TK] & valid_TK.unsqueeze(-1)
     node_TK = torch.full((T, K), -1, dtype=torch.long, device=device)
     # Rotated tie-break priority: the node after the source node wins ties first.
@@ -140,6 +132,29 @@ def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
         best_T = (cover_TN * (N + 1) + tie_N).argmax(-1)
         opens_T = cover_TN.gather(1, best_T[:, None]).squeeze(1) > 0
         visited_TN |= torch.nn.functional.one_hot(best_T, N).bool() & opens_T.unsqueeze(1)
+    return node_TK
+
+
+def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
+                 src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick a physical copy (EP rank, slot) for every (token, route) of tokens living on `src_rank`.
+
+    Nodes first (`assign_nodes`): a route goes to the token's own node when it holds the expert, else to a node
+    the token already visits, else to the node covering most of the token's remaining routes (greedy set
+    cover, ties rotated from the source node so sources spread). Inside the chosen node, routes of one
+    expert are dealt round-robin over its copies (offset by the source rank) to balance GPUs.
+    Returns `dest_rank_TK`, `dest_slot_TK` (int64, -1 where `topk_ids_TK` is -1).
+    """
+    T, K = topk_ids_TK.shape
+    N = placement.nodes
+    valid_TK = topk_ids_TK >= 0
+    ids_TK = topk_ids_TK.clamp(min=0).long()
+    if placement.single_copy:  # no choice to make: the one copy (the owner) serves every route
+        per_rank = placement.owner_slots_per_rank
+        block_TK = placement.owner_block_E[ids_TK]
+        minus = torch.full_like(block_TK, -1)
+        return (torch.where(valid_TK, block_TK // per_rank, minus), torch.where(valid_TK, block_TK % per_rank, minus))
+    node_TK = assign_nodes(topk_ids_TK, placement, src_rank)
 
     # Step 4: pick the copy inside the chosen node, round-robin per (expert, node).
     flat_ids = ids_TK.reshape(-1)

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..planner.layout import owner_rank_of
 from .comm import all_to_all_rows
 from .placement import LayerPlacement
 from .topology import EPGroups
@@ -34,28 +35,25 @@ class ReplicaPlan:
 
 
 def plan_replicas(placement: LayerPlacement, rank: int) -> ReplicaPlan:
-    slots = placement.slots_WS
-    per_rank = placement.owner_slots_per_rank
-    owner = placement.owner_rank_E()
-    owner_slot_E = np.empty(placement.num_experts, dtype=np.int64)
-    owner_slot_E[slots[:, :per_rank]] = np.arange(per_rank)[None, :]
-    W = placement.world_size
-    send_slot: list[int] = []
-    send_splits: list[int] = []
-    recv_slot: list[int] = []
-    recv_splits: list[int] = [0] * W
-    for dst in range(W):
-        mine = [int(owner_slot_E[e]) for e in slots[dst, per_rank:] if e >= 0 and owner[e] == rank]
-        send_slot += mine
-        send_splits.append(len(mine))
-    for s in range(per_rank, placement.slots_per_rank):
-        e = slots[rank, s]
-        if e >= 0:
-            recv_slot.append(s)
-            recv_splits[int(owner[e])] += 1
-    # Rows arrive grouped by source rank; order the slots the same way.
-    recv_slot.sort(key=lambda s: (int(owner[slots[rank, s]]), s))
-    return ReplicaPlan(tuple(send_slot), tuple(send_splits), tuple(recv_slot), tuple(recv_splits))
+    return plan_replicas_of(placement.slots_WS, placement.num_experts, rank)
+
+
+def plan_replicas_of(slots_WS: np.ndarray, num_experts: int, rank: int) -> ReplicaPlan:
+    """The replica plan of layout `slots_WS` (`[W, S]`, owner slots first) for `rank`."""
+    W, S = slots_WS.shape
+    per_rank = num_experts // W
+    owner = owner_rank_of(slots_WS, num_experts)
+    owner_slot_E = np.empty(num_experts, dtype=np.int64)
+    owner_slot_E[slots_WS[:, :per_rank]] = np.arange(per_rank)[None, :]
+    spare = slots_WS[:, per_rank:]
+    sent_WX = (spare >= 0) & (owner[np.maximum(spare, 0)] == rank)  # my experts in each rank's spare slots
+    send_slot = owner_slot_E[spare[sent_WX]].tolist()  # row-major: by destination rank, then slot
+    send_splits = sent_WX.sum(1).tolist()
+    mine = np.nonzero(spare[rank] >= 0)[0] + per_rank
+    src = owner[slots_WS[rank, mine]]
+    order = np.lexsort((mine, src))  # rows arrive grouped by source rank; order the slots the same way
+    recv_splits = np.bincount(src, minlength=W).tolist()
+    return ReplicaPlan(tuple(send_slot), tuple(send_splits), tuple(mine[order].tolist()), tuple(recv_splits))
 
 
 def fetch_replicas(owner_params: Sequence[Sequence[torch.Tensor]], plan: ReplicaPlan,

@@ -18,6 +18,7 @@ import numpy as np
 from ..planner.layout import Layout, canonical_owner_order
 from ..planner.migration import LinkModel, migration_worth_it, moved_experts
 from ..planner.policies import LayerInput, cobalt_policy
+from ..planner.stage2 import refill_node
 from ..planner.stats import RoutingStats
 from ..planner.trace import Trace
 from .metrics import check_compatible, layer_metrics, mean_metrics
@@ -28,40 +29,14 @@ __all__ = ["replay", "refresh_spares"]
 def refresh_spares(slots_WS: np.ndarray, keep_WS: np.ndarray, load_E: np.ndarray, gpus_per_node: int,
                    num_experts: int) -> np.ndarray:
     """Stage 2 per step: refill spare slots not marked in `keep_WS` with replicas of the node's hottest
-    experts (most predicted load per copy), each on the least-loaded GPU of the node without a copy."""
-    E, G = num_experts, gpus_per_node
-    W, S = slots_WS.shape
-    O = E // W
-    out = slots_WS.copy()
-    free_WS = np.zeros((W, S), dtype=bool)
+    experts (`planner.stage2.refill_node` per node, on the predicted loads in thousandths of a route)."""
+    G, O = gpus_per_node, num_experts // slots_WS.shape[0]
+    free_WS = np.zeros(slots_WS.shape, dtype=bool)
     free_WS[:, O:] = ~keep_WS[:, O:]
-    out[free_WS] = -1
-    for n in range(W // G):
-        block = out[n * G : (n + 1) * G]
-        ids = np.unique(block[block >= 0])
-        if ids.size == 0 or not free_WS[n * G : (n + 1) * G].any():
-            continue
-        copies_I = np.array([(block == e).sum() for e in ids])
-        # Most predicted load per copy gets the next replica (at most one copy per GPU).
-        copies = copies_I.copy()
-        for _ in range(int(free_WS[n * G : (n + 1) * G].sum())):
-            per = np.where(copies < G, load_E[ids] / copies, -1.0)
-            if per.max() <= 0:
-                break
-            copies[int(np.argmax(per))] += 1
-        extra_I = copies - copies_I
-        per_copy = load_E[ids] / copies
-        load_G = np.array([per_copy[np.searchsorted(ids, block[g][block[g] >= 0])].sum() for g in range(G)])
-        for i in np.argsort(-per_copy):
-            for _ in range(int(extra_I[i])):
-                ok = np.array([free_WS[n * G + g].any() and ids[i] not in block[g] for g in range(G)])
-                if not ok.any():
-                    break
-                g = int(np.argmin(np.where(ok, load_G, np.inf)))
-                s = int(np.nonzero(free_WS[n * G + g])[0][0])
-                block[g, s] = ids[i]
-                free_WS[n * G + g, s] = False
-                load_G[g] += per_copy[i]
+    out = slots_WS.copy()
+    for n in range(slots_WS.shape[0] // G):
+        rows = slice(n * G, (n + 1) * G)
+        out[rows] = refill_node(slots_WS[rows], free_WS[rows], np.rint(np.asarray(load_E) * 1000))[0]
     return out
 
 

@@ -32,7 +32,8 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
                   use_residual=case.get("residual", False), noisy_gate_policy=case.get("noise"))
     ref = DeepSpeedMoE(D, copy.deepcopy(expert), E, **kwargs)  # use_residual keeps `expert` itself as mlp
     cfg = parse_cobalt_config({"topology": {"ranks_per_node": case.get("ranks_per_node", 2)},
-                               "overlap": case.get("overlap", {}), "transport": case.get("transport", HIERARCHICAL)})
+                               "overlap": case.get("overlap", {}), "transport": case.get("transport", HIERARCHICAL),
+                               "planner": case.get("planner", {})})
     ours = ds_cobalt.MoE(D, copy.deepcopy(expert), E, cobalt_config=cfg, **kwargs)
     ours.load_state_dict(ref.state_dict())
     dtype = getattr(torch, case.get("dtype", "float32"))
@@ -66,6 +67,9 @@ def _parity_case(rank: int, world: int, case: dict) -> dict:
     results["dropped_routes"] = int((ours.trace_rows[0] < 0).sum())
     results["schedule"] = ours.cobalt_core.schedule
     results["schedule_model"] = ours.cobalt_core.schedule_model
+    results["layout"] = ours.layout_slots
+    results["refilled"] = ours.cobalt_core.balance.last_slots_WS
+    results["balance"] = ours.cobalt_core.balance.summary()
     return results
 
 
@@ -80,6 +84,13 @@ CASES = {
     "rank_without_tokens": dict(E=8, k=2, drop=False, tokens=[30, 7, 20, 0]),
     "expert_per_rank_with_replicas": dict(E=4, k=2, drop=False, tokens=[10, 7, 20, 3], replicas=[2, 0, 1, 3]),
     "replicas_cross_node_and_empty": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1]),
+    # stage 2 every step: every spare slot refillable (empty); and the re-plan's replicas kept (`interval`)
+    "replicas_all_refilled": dict(E=8, k=2, drop=False, tokens=[40, 33, 50, 20], replicas=[-1, -1, -1, -1]),
+    "replicas_refilled_capacity": dict(E=8, k=1, drop=True, tokens=[24, 24, 24, 24], replicas=[-1, 2, 7, -1]),
+    "replicas_refilled_one_node": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], replicas=[-1, -1, 3, -1],
+                                       ranks_per_node=4),
+    "replicas_interval": dict(E=8, k=2, drop=False, tokens=[10, 7, 20, 9], replicas=[3, 0, 1, -1],
+                              planner={"stage2": "interval"}),
     # one node (a single intra-node exchange) and one rank per node (rail only)
     "one_node_of_4": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=4),
     "four_nodes_of_1": dict(E=8, k=2, drop=False, tokens=[12, 7, 20, 5], ranks_per_node=1),
@@ -203,6 +214,52 @@ def test_traffic_counters_match_independent_count(parity_results, name: str) -> 
         assert got["intra_node_rows"] == sent_intra + recv_intra
         assert got["deepspeed_inter_node_bytes_dropless"] == 2 * remote_routes[rank] * row_bytes
         assert got["inter_node_rows"] <= 2 * remote_routes[rank] + pairs_recv[rank]
+
+
+@pytest.mark.parametrize("name", ["replicas_all_refilled", "replicas_cross_node_and_empty",
+                                  "replicas_refilled_capacity", "replicas_refilled_one_node", "replicas_interval"])
+def test_stage2_refills_spare_slots_from_this_forward(parity_results, name: str) -> None:
+    """Recount each node's routes per expert from the routed ids (sources choose nodes on the layout) and check
+    that the forward's refilled layout is stage 2's rule applied to them: traffic copies (an expert owned on
+    another node) stay, every other spare slot takes a replica of an expert owned on the node."""
+    from ds_cobalt.planner.assign import assign_tasks as assign_numpy
+    from ds_cobalt.planner.stage2 import refill_node
+
+    results = parity_results[name]
+    case = CASES[name]
+    E, G = case["E"], case.get("ranks_per_node", 2)
+    layout = np.asarray(results[0]["layout"])
+    W, S = layout.shape
+    O = E // W
+    if case.get("planner", {}).get("stage2") == "interval":
+        assert all(r["refilled"] is None and r["balance"] == {"forwards": 0} for r in results)
+        return
+    owner_node = np.empty(E, dtype=int)
+    owner_node[layout[:, :O].reshape(-1)] = np.arange(W).repeat(O) // G
+    load_NE = np.zeros((W // G, E))
+    for src, res in enumerate(results):
+        ids = np.asarray(res["routed_ids"])
+        static = np.where(layout >= 0, layout, -1)
+        dest, _ = assign_numpy(ids, np.full(len(ids), src), static, G)
+        for e, d in zip(ids[ids >= 0], dest[ids >= 0]):
+            load_NE[d // G, e] += 1
+    refilled_any = False
+    for rank, res in enumerate(results):
+        n = rank // G
+        rows = slice(n * G, (n + 1) * G)
+        block = layout[rows]
+        held = np.where(block >= 0, owner_node[np.maximum(block, 0)], -1)
+        free = np.zeros_like(block, dtype=bool)
+        free[:, O:] = (block[:, O:] < 0) | (held[:, O:] == n)
+        expected = refill_node(block, free, load_NE[n].astype(int), owner_node == n)[0]
+        got = np.asarray(res["refilled"])[rows]
+        np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}")
+        assert (got[~free] == block[~free]).all()  # owners and traffic copies kept
+        refilled_any |= bool((got[free] >= 0).any())
+        assert res["balance"]["forwards"] == 1
+        if (block[free] < 0).all():  # from no replicas a refill never raises the largest GPU load
+            assert res["balance"]["gpu_max_over_mean_stage2"] <= res["balance"]["gpu_max_over_mean_interval"] + 1e-9
+    assert refilled_any or name in ("replicas_refilled_capacity", "replicas_interval"), "nothing refilled"
 
 
 def test_schedule_in_use(parity_results) -> None:
