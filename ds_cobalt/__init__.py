@@ -16,6 +16,7 @@ _LAZY = {
     "initialize": "ds_cobalt.integrations.engine",
     "traffic_summary": "ds_cobalt.integrations.layers",
     "schedule_summary": "ds_cobalt.integrations.layers",
+    "balance_summary": "ds_cobalt.integrations.layers",
     "cobalt_layers": "ds_cobalt.integrations.layers",
     "CobaltEngine": "ds_cobalt.integrations.cobalt_engine",
     "CobaltConfig": "ds_cobalt.config",

@@ -40,8 +40,14 @@ class StepTracker:
         stacked = torch.stack(every)  # [ranks, steps, keys]
         rows = stacked[:, :, 2]
         mean = rows.mean(0).clamp(min=1e-9)
+        import ds_cobalt
+
+        balance = ds_cobalt.balance_summary(self.model)
+        stage2 = torch.tensor([balance["forwards"], balance["stage2_sum"], balance["interval_sum"]],
+                              dtype=torch.float64)
+        dist.all_reduce(stage2)
         return {"sent": stacked[:, :, 0].sum(0).tolist(), "deepspeed_padded": stacked[:, :, 1].sum(0).tolist(),
-                "load_max_over_mean": (rows.max(0).values / mean).tolist()}
+                "load_max_over_mean": (rows.max(0).values / mean).tolist(), "stage2": stage2.tolist()}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -66,6 +72,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
            "first_migration_step": first}
+    forwards, refilled, interval = per_step.get("stage2", (0, 0.0, 0.0))
+    out["stage2_forwards"] = int(forwards)  # layer forwards refilled, summed over ranks
+    out["stage2_node_gpu_max_over_mean"] = refilled / forwards if forwards else None
+    out["interval_node_gpu_max_over_mean"] = interval / forwards if forwards else None
     for name, window in (("before", before), ("after", after)):
         out[f"sent_per_step_{name}"] = _mean(per_step["sent"][window])
         out[f"deepspeed_padded_per_step_{name}"] = _mean(per_step["deepspeed_padded"][window])
@@ -101,6 +111,13 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
               f"{b('deepspeed_padded_per_step_after')})")
         print(f"  GPU load max/mean   before {s['load_max_over_mean_before'] or 0:.3f}, after "
               f"{s['load_max_over_mean_after'] or 0:.3f}")
+    if s.get("stage2_forwards"):
+        print(f"  stage 2 every step  spare slots refilled in {s['stage2_forwards']} layer forwards (all ranks); GPU "
+              f"load max/mean inside a node {s['stage2_node_gpu_max_over_mean']:.3f}, with the re-plan's replicas "
+              f"only {s['interval_node_gpu_max_over_mean']:.3f} (mean over those forwards)")
+    else:
+        print("  stage 2 every step  not run: no spare slot to refill (before the first re-plan, or the layers ran "
+              "the direct or dense schedule)")
     if plot:
         print(f"  plot                {plot}")
 

@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replan-interval", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16, help="steps the trace is cut into for --replay")
     parser.add_argument("--decay", type=float, default=0.7, help="EMA decay of the statistics for --replay")
+    parser.add_argument("--stage2", choices=("step", "predicted", "interval"), default="step",
+                        help="--replay: spare slots refilled from each step's loads (the runtime's default), from "
+                             "the averaged statistics, or kept from the last re-plan")
     hw = parser.add_argument_group("step time (cluster simulator, docs/simulator.md)")
     hw.add_argument("--hardware", default=None, help="hardware preset: B200, H100, H200, emulated-cpu")
     hw.add_argument("--hardware-json", default=None, help="custom hardware (ds-cobalt/hardware-v1 JSON)")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
         with tqdm(total=trace.num_layers, desc="replay", unit="layer", disable=args.json) as bar:
             report = replay(trace, layout, steps=args.steps, replan_interval=args.replan_interval,
-                            decay=args.decay, progress=lambda _: bar.update(1))
+                            decay=args.decay, progress=lambda _: bar.update(1), stage2=args.stage2)
     else:
         report = simulate(trace, layout)
     if args.json:
@@ -65,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print(str(i).ljust(7) + "".join(f"{row[m]:.4f}".rjust(width + 2) for m in METRICS))
     print("mean".ljust(7) + "".join(f"{report['mean'][m]:.4f}".rjust(width + 2) for m in METRICS))
     if args.replay:
-        print(f"replans: {report['replans']}, migrations: {report['migrations']}")
+        print(f"replans: {report['replans']}, migrations: {report['migrations']}, stage 2: {report['stage2']}, "
+              f"median per-step GPU load max/mean {report['step_gpu_load_max_over_mean_median']:.4f}")
     return 0
 
 

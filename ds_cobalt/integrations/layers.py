@@ -16,7 +16,7 @@ from ..runtime.tile_tuner import OverlapTuner
 from ..runtime.topology import Topology
 from ..runtime.traffic import TrafficCounters, sum_totals
 
-__all__ = ["CoreAccess", "cobalt_layers", "layer_cores", "schedule_summary", "traffic_summary"]
+__all__ = ["CoreAccess", "balance_summary", "cobalt_layers", "layer_cores", "schedule_summary", "traffic_summary"]
 
 
 def _core(module: torch.nn.Module) -> LayerCore | None:
@@ -49,6 +49,16 @@ def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
     for name in (*SCHEDULES, None):
         out[f"layers_{name or 'undecided'}"] = sum(core.schedule == name for core in cores)
     return out
+
+
+def balance_summary(model: torch.nn.Module) -> dict[str, float | int]:
+    """Stage 2 every step on this rank's node, over all ds_cobalt layers: layer forwards refilled, and the sums over
+    them of the node's per-GPU load max/mean, refilled (`stage2`) and with the re-plan's replicas (`interval`),
+    so that ranks can add them up (`runtime/step_spares.BalanceCounters`)."""
+    cores = layer_cores(model)
+    return {"forwards": sum(len(c.balance.refilled) for c in cores),
+            "stage2_sum": float(sum(sum(c.balance.refilled) for c in cores)),
+            "interval_sum": float(sum(sum(c.balance.interval) for c in cores))}
 
 
 def schedule_summary(model: torch.nn.Module) -> list[dict]:

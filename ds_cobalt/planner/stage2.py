@@ -19,7 +19,8 @@ import numpy as np
 
 from .assign import assign_tasks
 
-__all__ = ["node_loads", "replicate_hot", "pack_node", "plan_gpus", "refill_node"]
+__all__ = ["node_loads", "replicate_hot", "pack_node", "plan_gpus", "refillable_slots", "refill_node", "refill_layout",
+           "max_over_mean"]
 
 
 def node_loads(
@@ -124,6 +125,41 @@ def plan_gpus(
         spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
         slots_WS[n * G : (n + 1) * G] = pack_node(per_copy[is_owner], ids[is_owner], spare_load, spare_ids, G, R)
     return slots_WS
+
+
+def max_over_mean(load: np.ndarray) -> float:
+    """Largest over mean load (1.0 when there is no load): the balance figure of GPUs or nodes."""
+    mean = float(np.mean(load)) if np.size(load) else 0.0
+    return float(np.max(load)) / mean if mean > 0 else 1.0
+
+
+def refillable_slots(slots_WS: np.ndarray, gpus_per_node: int, num_experts: int) -> np.ndarray:
+    """`[W, S]` bool: spare slots stage 2 refills every step: empty ones and those holding an expert owned on
+    the same node. A spare slot holding an expert owned on another node is a traffic copy (stage 1's)."""
+    W, S = slots_WS.shape
+    O = num_experts // W
+    owner_node_E = np.empty(num_experts, dtype=np.int64)
+    owner_node_E[slots_WS[:, :O].reshape(-1)] = np.repeat(np.arange(W) // gpus_per_node, O)
+    held_node_WS = np.where(slots_WS >= 0, owner_node_E[np.maximum(slots_WS, 0)], -1)
+    free_WS = np.zeros((W, S), dtype=bool)
+    free_WS[:, O:] = (slots_WS[:, O:] < 0) | (held_node_WS[:, O:] == (np.arange(W) // gpus_per_node)[:, None])
+    return free_WS
+
+
+def refill_layout(slots_WS: np.ndarray, load_NE: np.ndarray, gpus_per_node: int,
+                  num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """`refill_node` on every node (`load_NE[n]`: routes per expert reaching node n), with the experts owned on
+    the node eligible: the whole `[W, S]` refilled layout and the rows each slot serves."""
+    G, W = gpus_per_node, slots_WS.shape[0]
+    free_WS = refillable_slots(slots_WS, G, num_experts)
+    owner_node_E = np.empty(num_experts, dtype=np.int64)
+    O = num_experts // W
+    owner_node_E[slots_WS[:, :O].reshape(-1)] = np.repeat(np.arange(W) // G, O)
+    out, share = np.empty_like(slots_WS), np.empty_like(slots_WS)
+    for n in range(W // G):
+        rows = slice(n * G, (n + 1) * G)
+        out[rows], share[rows] = refill_node(slots_WS[rows], free_WS[rows], load_NE[n], owner_node_E == n)
+    return out, share
 
 
 _OUTSIDE = 1 << 40  # stands for "not a copy of this expert" in the integer water-fill (no overflow below 2**62)

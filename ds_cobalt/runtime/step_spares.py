@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..planner.layout import owner_rank_of
-from ..planner.stage2 import refill_node
+from ..planner.stage2 import max_over_mean, refill_node, refillable_slots
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,11 @@ class NodeSpares:
 def node_spares(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, rank: int) -> NodeSpares | None:
     """Stage 2's view of layout `slots_WS` for `rank`; None when no node has a refillable slot (the same answer
     on every rank, so every rank runs the same exchange)."""
-    W, S = slots_WS.shape
-    O, G = num_experts // W, ranks_per_node
-    owner_node_E = owner_rank_of(slots_WS, num_experts) // G
-    node_W = np.arange(W) // G
-    held_node_WS = np.where(slots_WS >= 0, owner_node_E[np.maximum(slots_WS, 0)], -1)
-    free_WS = np.zeros((W, S), dtype=bool)
-    free_WS[:, O:] = (slots_WS[:, O:] < 0) | (held_node_WS[:, O:] == node_W[:, None])
+    G = ranks_per_node
+    free_WS = refillable_slots(slots_WS, G, num_experts)
     if not free_WS.any():
         return None
+    owner_node_E = owner_rank_of(slots_WS, num_experts) // G
     base_WS = np.where(free_WS, -1, slots_WS)
     node = rank // G
     rows = slice(node * G, (node + 1) * G)
@@ -142,9 +138,6 @@ def copy_of_routes(fill: StepFill, counts_WE: torch.Tensor, ranks_per_node: int,
     return fill.copy_local_C[copy_R], fill.copy_slot_C[copy_R]
 
 
-def _max_over_mean(load_G: np.ndarray) -> float:
-    mean = float(load_G.mean())
-    return float(load_G.max()) / mean if mean > 0 else 1.0
 
 
 @dataclass
@@ -157,8 +150,8 @@ class BalanceCounters:
     last_slots_WS: np.ndarray | None = None  # the last refilled layout (this node's rows refilled)
 
     def add(self, fill: StepFill) -> None:
-        self.refilled.append(_max_over_mean(fill.load_G))
-        self.interval.append(_max_over_mean(fill.static_load_G))
+        self.refilled.append(max_over_mean(fill.load_G))
+        self.interval.append(max_over_mean(fill.static_load_G))
         self.last_slots_WS = fill.slots_WS
 
     def summary(self) -> dict[str, float | int]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..planner.assign import assign_tasks, remote_nodes_per_token
 from ..planner.layout import Layout
+from ..planner.stage2 import max_over_mean
 from ..planner.trace import Trace
 
 __all__ = ["METRICS", "layer_metrics", "deepspeed_pairs_per_token", "simulate", "mean_metrics"]
@@ -28,9 +29,6 @@ METRICS = (
 )
 
 
-def _max_over_mean(load: np.ndarray) -> float:
-    mean = float(load.mean()) if load.size else 0.0
-    return float(load.max()) / mean if mean > 0 else 1.0
 
 
 def deepspeed_pairs_per_token(
@@ -64,8 +62,8 @@ def layer_metrics(
         "deepspeed_cross_node_pairs_per_token": deepspeed_pairs_per_token(
             topk_ids_TK, source_rank_T, num_experts, nodes, gpus_per_node
         ),
-        "gpu_load_max_over_mean": _max_over_mean(load_W),
-        "node_load_max_over_mean": _max_over_mean(load_N),
+        "gpu_load_max_over_mean": max_over_mean(load_W),
+        "node_load_max_over_mean": max_over_mean(load_N),
     }
 
 

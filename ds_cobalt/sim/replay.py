@@ -4,9 +4,13 @@ Legend: L layers, T tokens, K top-k, E experts, N nodes, G GPUs per node, W rank
 
 Tokens are cut into `steps` equal consecutive chunks. Per layer: statistics are exponentially averaged
 (`RoutingStats`); every `replan_interval` steps stage 1 + 2 (`cobalt` policy) replans from them and the
-new owners are adopted when the migration cost model says so; every step stage 2 refills the spare slots
-with replicas of each node's hottest experts (predicted load); each step is scored with the exact
-per-step task assignment.
+new owners are adopted when the migration cost model says so. Between re-plans, `stage2` says what the spare
+slots that hold no traffic copy do:
+- `"step"` (the runtime's default, `runtime/step_spares.py`): each node refills them from the step's own loads
+  (the routes the step's task assignment sends to the node) and splits each expert's rows over its copies;
+- `"predicted"`: refilled every step from the averaged statistics, rows split as `assign_tasks` splits them;
+- `"interval"`: the re-plan's replicas stay until the next re-plan (the runtime's `planner.stage2: "interval"`).
+Each step is scored with the exact per-step task assignment.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from typing import Callable
 
 import numpy as np
 
+from ..planner.assign import assign_tasks
 from ..planner.layout import Layout, canonical_owner_order
 from ..planner.migration import LinkModel, migration_worth_it, moved_experts
 from ..planner.policies import LayerInput, cobalt_policy
-from ..planner.stage2 import refill_node
+from ..planner.stage2 import max_over_mean, refill_layout, refill_node
 from ..planner.stats import RoutingStats
 from ..planner.trace import Trace
 from .metrics import check_compatible, layer_metrics, mean_metrics
 
-__all__ = ["replay", "refresh_spares"]
+__all__ = ["replay", "refresh_spares", "refilled_gpu_loads", "STAGE2_MODES"]
+
+STAGE2_MODES = ("step", "predicted", "interval")
 
 
 def refresh_spares(slots_WS: np.ndarray, keep_WS: np.ndarray, load_E: np.ndarray, gpus_per_node: int,
@@ -49,20 +56,24 @@ def replay(
     decay: float = 0.7,
     link: LinkModel = LinkModel(),  # noqa: B008 - frozen dataclass
     progress: Callable[[int], None] | None = None,
+    stage2: str = "step",
 ) -> dict:
-    """Replay `trace` in `steps` steps starting from `layout`; metrics per layer (mean over steps)."""
+    """Replay `trace` in `steps` steps starting from `layout`; metrics per layer (mean over steps), and the
+    medians over every (layer, step) of the GPU and node load max/mean (`step_*_load_max_over_mean_median`)."""
     check_compatible(trace, layout)
     if steps < 1 or replan_interval < 1:
         raise ValueError(f"steps and replan_interval must be >= 1, got {steps} and {replan_interval}")
+    if stage2 not in STAGE2_MODES:
+        raise ValueError(f"stage2 must be one of {', '.join(STAGE2_MODES)}, got {stage2!r}")
     E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
     W = N * G
     src_T = trace.source_ranks(W)
     bounds = np.linspace(0, trace.num_tokens, steps + 1).astype(np.int64)
-    per_layer, replans, migrations = [], 0, 0
+    per_layer, replans, migrations, step_gpu, step_node = [], 0, 0, [], []
     for layer in range(trace.num_layers):
         topk_LTK = trace.experts_LTK[layer]
         slots = layout.layer(min(layer, layout.num_layers - 1)).copy()
-        keep = np.zeros_like(slots, dtype=bool)  # spare slots chosen by stage 1 (kept between replans)
+        keep = _cross_node_replicas(slots, E, G)  # stage 1's traffic copies (kept between replans)
         stats = RoutingStats(E, trace.top_k, decay=decay)
         window: list[slice] = []
         rows = []
@@ -85,16 +96,38 @@ def replay(
                     migrations += int(moved > 0)
                     slots = new
                     keep = _cross_node_replicas(slots, E, G)
-            elif step:
+            elif step and stage2 == "predicted":
                 # Stage 2: spare slots follow the predicted (averaged) load.
                 slots = refresh_spares(slots, keep, stats.load_E, G, E)
-            rows.append(layer_metrics(topk_LTK[chunk], src_T[chunk], slots, E, N, G))
+            row = layer_metrics(topk_LTK[chunk], src_T[chunk], slots, E, N, G)
+            if stage2 == "step":
+                row["gpu_load_max_over_mean"] = max_over_mean(refilled_gpu_loads(topk_LTK[chunk], src_T[chunk],
+                                                                                  slots, E, G))
+            step_gpu.append(row["gpu_load_max_over_mean"])
+            step_node.append(row["node_load_max_over_mean"])
+            rows.append(row)
             stats.update(topk_LTK[chunk])
             window.append(chunk)
         per_layer.append(mean_metrics(rows))
         if progress is not None:
             progress(layer)
-    return {"layers": per_layer, "mean": mean_metrics(per_layer), "replans": replans, "migrations": migrations}
+    return {"layers": per_layer, "mean": mean_metrics(per_layer), "replans": replans, "migrations": migrations,
+            "stage2": stage2, "step_gpu_load_max_over_mean_median": float(np.median(step_gpu)),
+            "step_node_load_max_over_mean_median": float(np.median(step_node))}
+
+
+def refilled_gpu_loads(topk_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray, num_experts: int,
+                       gpus_per_node: int) -> np.ndarray:
+    """`[W]` rows each GPU serves in one step when every node refills its spare slots from this step's loads
+    (`planner.stage2.refill_layout`, the runtime's rule). Sources choose nodes on `slots_WS` (`assign_tasks`)."""
+    E, G, W = num_experts, gpus_per_node, slots_WS.shape[0]
+    dest_TK, _ = assign_tasks(topk_TK, source_rank_T, slots_WS, G)
+    valid = dest_TK >= 0
+    load_NE = np.bincount((dest_TK[valid] // G) * E + topk_TK[valid], minlength=(W // G) * E).reshape(W // G, E)
+    _, share_WS = refill_layout(slots_WS, load_NE, G, E)
+    return share_WS.sum(1)
+
+
 
 
 def _owner_nodes(slots_WS: np.ndarray, E: int, G: int) -> np.ndarray:
