@@ -12,7 +12,8 @@ variant's (> 1 = faster than DeepSpeed), and writes them to `--json-out`.
 
 Variants (`--variants`): deepspeed, hierarchical, direct, dense, auto (ds_cobalt's `transport.schedule`), each
 with the config's `"cobalt"` section otherwise (re-planning on by default), and each of those with `-static`
-(re-planning off); the first `--skip` steps (warm-up, `auto`'s trials included
+(re-planning off) or `-interval` (`planner.stage2: "interval"`: the re-plan's replicas, no per-step refill); the
+first `--skip` steps (warm-up, `auto`'s trials included
 in its median only when `--count-trials`) are left out.
 """
 
@@ -43,6 +44,7 @@ from train_moe import initialize, moe_class, read_config  # noqa: E402
 
 SCHEDULES = ("hierarchical", "direct", "dense", "auto")
 STATIC = "-static"  # a variant "<schedule>-static": that schedule with re-planning off (planner.replan_interval 0)
+INTERVAL = "-interval"  # "<schedule>-interval": that schedule with planner.stage2 "interval"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=["deepspeed", "hierarchical", "direct", "dense"],
-                   choices=["deepspeed", *SCHEDULES, *(s + STATIC for s in SCHEDULES)])
+                   choices=["deepspeed", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, INTERVAL))])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     p.add_argument("--seed", type=int, default=1234)
@@ -75,9 +77,11 @@ def main(argv: list[str] | None = None) -> None:
         config = copy.deepcopy(base)
         if impl == "cobalt":
             cobalt = config.setdefault("cobalt", {})
-            cobalt["transport"] = {"schedule": variant.removesuffix(STATIC)}
+            cobalt["transport"] = {"schedule": variant.removesuffix(STATIC).removesuffix(INTERVAL)}
             if variant.endswith(STATIC):
                 cobalt["planner"] = {**cobalt.get("planner", {}), "replan_interval": 0}
+            if variant.endswith(INTERVAL):
+                cobalt["planner"] = {**cobalt.get("planner", {}), "stage2": "interval"}
         path = Path(f"/tmp/paired_steps_{variant}_rank{rank}.json")
         path.write_text(json.dumps(config))
         engines[variant] = initialize(impl, MoELM(cfg, moe_class(impl)), str(path), config)

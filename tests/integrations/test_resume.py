@@ -33,7 +33,11 @@ def _run(engine, steps: range, save_dir: str | None = None, train_step=None) -> 
             engine.save_checkpoint(save_dir)
     replans = [(m.step, sorted({mv[:2] for mv in m.moved})) for m in engine.cobalt_migrations
                if m.reason.startswith("replan")]
-    return {"losses": losses, "layouts": layouts, "replans": replans}
+    import ds_cobalt
+
+    # layer forwards whose spare slots were refilled from their own loads (stage 2 every step)
+    stage2 = ds_cobalt.balance_summary(engine.module)["forwards"]
+    return {"losses": losses, "layouts": layouts, "replans": replans, "stage2_forwards": stage2}
 
 
 def _resume(rank: int, world: int, root: str) -> dict:
@@ -73,13 +77,14 @@ def test_resumed_run_matches_uninterrupted_bit_for_bit(run_ranks: Any, tmp_path)
         for stage in (1, 2):
             full = r[f"full{stage}"]
             assert [step for step, _ in full["replans"]] == [6, 10, 14]  # the plans really move owners
+            assert full["stage2_forwards"] > 0  # and leave spare slots that every forward refills
             for start in (5, 10):
                 resumed = r[f"resumed{stage}_{start}"]
                 assert resumed["losses"] == full["losses"][start:]  # bit for bit
                 assert resumed["layouts"] == full["layouts"][start:]
                 assert resumed["replans"] == [p for p in full["replans"] if p[0] > start]
         full, resumed = r["autoep_full"], r["autoep_resumed"]
-        assert [step for step, _ in full["replans"]] == [6, 10, 14]
+        assert [step for step, _ in full["replans"]] == [6, 10, 14] and full["stage2_forwards"] > 0
         assert resumed["losses"] == full["losses"][5:] and resumed["layouts"] == full["layouts"][5:]
         assert resumed["replans"] == [p for p in full["replans"] if p[0] > 5]
     assert os.path.exists(tmp_path / "zero1" / "global_step5" / "cobalt_replan_rank3.safetensors")
