@@ -2,7 +2,8 @@
 
 Legend: L layers, T tokens, K top-k, E experts, N nodes, G GPUs per node, W ranks, S slots.
 
-Tokens are cut into `steps` equal consecutive chunks. Per layer: statistics are exponentially averaged
+Each source rank's tokens (in trace order) are cut into `steps` equal consecutive chunks; step s takes chunk s of
+every rank, as a training step takes a batch on every rank. Per layer: statistics are exponentially averaged
 (`RoutingStats`); every `replan_interval` steps stage 1 + 2 (`cobalt` policy) replans from them and the
 new owners are adopted when the migration cost model says so. Between re-plans, `stage2` says what the spare
 slots that hold no traffic copy do:
@@ -68,20 +69,20 @@ def replay(
     E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
     W = N * G
     src_T = trace.source_ranks(W)
-    bounds = np.linspace(0, trace.num_tokens, steps + 1).astype(np.int64)
+    step_tokens = _step_tokens(src_T, W, steps)
     per_layer, replans, migrations, step_gpu, step_node = [], 0, 0, [], []
     for layer in range(trace.num_layers):
         topk_LTK = trace.experts_LTK[layer]
         slots = layout.layer(min(layer, layout.num_layers - 1)).copy()
         keep = _cross_node_replicas(slots, E, G)  # stage 1's traffic copies (kept between replans)
         stats = RoutingStats(E, trace.top_k, decay=decay)
-        window: list[slice] = []
+        window: list[np.ndarray] = []
         rows = []
         for step in range(steps):
-            chunk = slice(int(bounds[step]), int(bounds[step + 1]))
+            chunk = step_tokens[step]
             if step and step % replan_interval == 0:
                 # Stage 1 + 2 from the averaged statistics, sampled on the last interval's tokens.
-                recent = np.r_[tuple(np.arange(s.start, s.stop) for s in window[-replan_interval:])]
+                recent = np.concatenate(window[-replan_interval:])
                 inp = LayerInput(stats, topk_LTK[recent], src_T[recent], N, G, slots.shape[1] - E // W, slots)
                 new = canonical_owner_order(Layout(E, N, G, cobalt_policy(inp)[None])).layer(0)
                 old_m = layer_metrics(topk_LTK[recent], src_T[recent], slots, E, N, G)
@@ -114,6 +115,13 @@ def replay(
     return {"layers": per_layer, "mean": mean_metrics(per_layer), "replans": replans, "migrations": migrations,
             "stage2": stage2, "step_gpu_load_max_over_mean_median": float(np.median(step_gpu)),
             "step_node_load_max_over_mean_median": float(np.median(step_node))}
+
+
+def _step_tokens(src_T: np.ndarray, world_size: int, steps: int) -> list[np.ndarray]:
+    """Token indices of each step: the s-th of `steps` equal consecutive chunks of every source rank's tokens."""
+    per_rank = [np.nonzero(src_T == r)[0] for r in range(world_size)]
+    cuts = [np.linspace(0, idx.size, steps + 1).astype(np.int64) for idx in per_rank]
+    return [np.sort(np.concatenate([idx[c[s]:c[s + 1]] for idx, c in zip(per_rank, cuts)])) for s in range(steps)]
 
 
 def refilled_gpu_loads(topk_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray, num_experts: int,

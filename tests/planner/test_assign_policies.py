@@ -176,4 +176,4 @@ def test_replay_runs():
     lay = plan_layout(tr, 2, 2, 1, "deepspeed")
     rep = replay(tr, lay, steps=4, replan_interval=2)
     assert rep["replans"] == 1 and len(rep["layers"]) == 1
-    assert rep["mean"]["cross_node_tokens_per_token"] <= simulate(tr, lay)["mean"]["cross_node_tokens_per_token"]
+    assert rep["mean"]["cross_node_tokens_per_token"] <= simulate(tr, lay)["mean"]["cross_node_tokens_per_token"] + 1e-9
