@@ -231,8 +231,9 @@ def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPG
 def _plan_layer_refilled(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups, backend: str,
                          capacity: torch.Tensor | int, reduce_capacity: bool, spares: NodeSpares) -> LayerPlan:
     """`plan_layer` with stage 2 every step: every source (n, g) sends each rank of node m its pair and route
-    counts for node m and its route counts per expert there; every rank of node m then holds the node's loads
-    and refills the spare slots from them (`step_spares.fill_step`, the same on every rank of the node)."""
+    counts for node m and its route counts per expert there (for the experts node m holds); every rank of node m
+    then holds the node's loads and refills the spare slots from them (`step_spares.fill_step`, the same on every
+    rank of the node)."""
     topo = groups.topology
     N, G, W, E = topo.nodes, topo.ranks_per_node, topo.world_size, placement.num_experts
     r = _assigned_routes(topk_ids_TK, placement, groups, backend, None, nodes_only=True)
@@ -241,14 +242,18 @@ def _plan_layer_refilled(topk_ids_TK: torch.Tensor, placement: LayerPlacement, g
     node = r.dest_node_TK.reshape(-1)
     key = torch.where(node >= 0, node * E + expert_TK.reshape(-1), torch.full_like(node, N * E))
     per_expert_NE = torch.bincount(key, minlength=N * E + 1)[: N * E].reshape(N, E)
+    held_NX = spares.held_NX
+    X = held_NX.shape[1]
+    per_held_NX = torch.cat([per_expert_NE, per_expert_NE.new_zeros(N, 1)], 1).gather(1, held_NX)  # pad: E -> 0
     peer_node = torch.arange(W, device=device) // G
     cap = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1, 1).expand(W, 1)
-    send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_expert_NE[peer_node],
+    send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_held_NX[peer_node],
                          cap], 1)
     recv_WF = exchange_counts(send_WF, groups.ep_group)
     recv_NGF = recv_WF.reshape(N, G, -1)
     me = topo.local_rank
-    counts_WE = recv_WF[:, 2: 2 + E]
+    counts_WE = recv_WF.new_zeros(W, E + 1).scatter_(1, held_NX[topo.node].expand(W, X), recv_WF[:, 2: 2 + X])
+    counts_WE = counts_WE[:, :E]
     host = torch.cat([
         r.rail_send_N, r.route_send_N, r.local_TK.sum().reshape(1), recv_NGF[:, me, 0], recv_NGF[:, me, 1],
         counts_WE.reshape(N, G, E).sum(0).reshape(-1),  # routes of each expert through each relay

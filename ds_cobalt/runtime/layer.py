@@ -206,7 +206,7 @@ class LayerCore:
         self._replica_plan = plan_replicas(self._placement, topo.rank)
         self._spares = None
         if self.settings.planner.stage2 == "step" and topo.ranks_per_node > 1:
-            self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank)
+            self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
         self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
 
     def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:

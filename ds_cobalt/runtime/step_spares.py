@@ -37,9 +37,11 @@ class NodeSpares:
     base_WS: np.ndarray  # [W, S] the whole layout with every node's refillable slots -1
     static_node_GS: np.ndarray  # [G, S] the node's slots as the layout has them (the interval's replicas)
     node: int
+    held_NX: torch.Tensor  # [N, X] experts each node holds (owners and traffic copies), padded with E
 
 
-def node_spares(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, rank: int) -> NodeSpares | None:
+def node_spares(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, rank: int,
+                device: torch.device | str = "cpu") -> NodeSpares | None:
     """Stage 2's view of layout `slots_WS` for `rank`; None when no node has a refillable slot (the same answer
     on every rank, so every rank runs the same exchange)."""
     G = ranks_per_node
@@ -50,7 +52,14 @@ def node_spares(slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, ran
     base_WS = np.where(free_WS, -1, slots_WS)
     node = rank // G
     rows = slice(node * G, (node + 1) * G)
-    return NodeSpares(base_WS[rows], free_WS[rows], owner_node_E == node, base_WS, slots_WS[rows].copy(), node)
+    # routes reach a node only for the experts it holds, which a refill does not change: the count exchange
+    # carries just those
+    held = [np.unique(block[block >= 0]) for block in base_WS.reshape(-1, G * base_WS.shape[1])]
+    held_NX = np.full((len(held), max(h.size for h in held)), num_experts, dtype=np.int64)
+    for n, h in enumerate(held):
+        held_NX[n, : h.size] = h
+    return NodeSpares(base_WS[rows], free_WS[rows], owner_node_E == node, base_WS, slots_WS[rows].copy(), node,
+                      torch.as_tensor(held_NX, device=device))
 
 
 @dataclass(frozen=True)
