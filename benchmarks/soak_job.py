@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.init_distributed(dist_backend=None)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = copy.deepcopy(read_config(args.deepspeed_config))
-    config.setdefault("cobalt", {})["transport"] = {"schedule": "hierarchical"}  # exact resume: a fixed schedule
+    cobalt = config.setdefault("cobalt", {})
+    cobalt["transport"] = {"schedule": "hierarchical"}  # exact resume: fixed choices (schedule, stage 2)
+    cobalt["planner"] = {**cobalt.get("planner", {}), "stage2": "step"}
     path = Path(f"/tmp/soak_job_rank{rank}.json")
     path.write_text(json.dumps(config))
     torch.manual_seed(args.seed)

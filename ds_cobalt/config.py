@@ -52,9 +52,10 @@ class PlannerConfig(_Section):
     min(5, replan_interval), so a plan that takes a few steps does not stall training), on every rank, when the
     migration cost model says it pays. At that step a rank waits at most `plan_timeout_s` for its worker;
     past it the worker is stopped, its layers keep their layout, and the next interval plans them again.
-    `stage2`: `"step"` (default) refills the spare slots that hold no cross-node traffic copy in every forward of
-    the hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the
-    replicas the re-plan chose until the next one."""
+    `stage2`: `"step"` refills the spare slots that hold no cross-node traffic copy in every forward of the
+    hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the replicas the
+    re-plan chose until the next one; `"auto"` (default) times both on the layer's next steps after each layout
+    change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree)."""
 
     replan_interval: int = Field(default=50, ge=0)
     policy: str = "cobalt"
@@ -64,7 +65,7 @@ class PlannerConfig(_Section):
     seed: int = 0
     worker: Literal["process", "thread"] = "process"
     plan_timeout_s: float = Field(default=300.0, gt=0)
-    stage2: Literal["step", "interval"] = "step"
+    stage2: Literal["auto", "step", "interval"] = "auto"
 
     @field_validator("policy")
     @classmethod

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
+    p.add_argument("--resume-from-checkpoint", default=None,
+                   help="a Trainer checkpoint folder (OUTPUT/checkpoint-N) to resume from (Trainer.train's argument)")
     p.add_argument(
         "--no-cobalt", action="store_true", help="plain AutoEP: no CobaltCallback, no 'cobalt' section"
     )
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     # count of all ranks (average_tokens_across_devices), so these are about loss / world_size.
     exact_losses: list[float] = []
     model.register_forward_hook(lambda module, inputs, out: exact_losses.append(float(out.loss.detach())))
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
     if trainer.is_world_process_zero():
         history = [row for row in trainer.state.log_history if "loss" in row]

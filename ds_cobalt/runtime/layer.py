@@ -137,6 +137,7 @@ class LayerCore:
         self._dense_capacities: set[int] = set()  # fixed capacities all ranks confirmed for `dense`
         self._replica_plan: ReplicaPlan | None = None
         self._spares: NodeSpares | None = None  # stage 2 every step (hierarchical schedule), None = off
+        self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
 
@@ -204,9 +205,12 @@ class LayerCore:
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, self._device())
         self._flat_placement = build_placement(slots_WS, 1, self.num_experts, self._device())
         self._replica_plan = plan_replicas(self._placement, topo.rank)
-        self._spares = None
-        if self.settings.planner.stage2 == "step" and topo.ranks_per_node > 1:
+        self._spares = self._stage2_chooser = None
+        stage2 = self.settings.planner.stage2
+        if stage2 != "interval" and topo.ranks_per_node > 1:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
+        if self._spares is not None:
+            self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
         self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
 
     def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:
@@ -226,11 +230,19 @@ class LayerCore:
         """Called after each optimizer step (`CobaltEngine.step`): closes a running schedule trial."""
         if self._chooser is not None:
             self._chooser.step_end(self._device())
+        if self._stage2_chooser is not None:
+            self._stage2_chooser.step_end(self._device())
 
     @property
     def schedule(self) -> str | None:
         """The schedule in use (None while `auto` is still timing the candidates)."""
         return None if self._chooser is None else self._chooser.chosen
+
+    @property
+    def stage2(self) -> str | None:
+        """Stage 2 in use for this layout: "step" (refilled every forward), "interval" (the re-plan's replicas),
+        None while `auto` times both, or when there is no spare slot to refill."""
+        return None if self._stage2_chooser is None else self._stage2_chooser.chosen
 
     @property
     def schedule_timings(self) -> dict[str, float]:
@@ -312,7 +324,7 @@ class LayerCore:
                                                 overlap=_Phased() if flat else self.settings.overlap,
                                                 tuner=self.tuner, backend=self.backend(x_TD.device),
                                                 capacity=(deepspeed_capacity, capacity_is_local),
-                                                spares=None if flat else self._spares)
+                                                spares=self._step_spares(schedule, x_TD.device))
             if fill is not None:
                 self.balance.add(fill)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
@@ -344,6 +356,21 @@ class LayerCore:
         if self.topology.rank == 0:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
                       time.perf_counter() - start, probed - start)
+
+    def _step_spares(self, schedule: str, device: torch.device) -> NodeSpares | None:
+        """This forward's stage 2: the node's spares to refill, or None (the layout's replicas). With `auto`, the
+        step/interval trials start once the schedule is decided and hierarchical (the only one that refills)."""
+        chooser = self._stage2_chooser
+        if chooser is None or schedule != HIERARCHICAL:
+            return None
+        if self._chooser.chosen is None:  # the schedule trials run with stage 2 on
+            return self._spares
+        decided = chooser.chosen is not None
+        mode = chooser.pick(device, self.groups)
+        if not decided and chooser.chosen is not None and len(chooser.candidates) > 1 and self.topology.rank == 0:
+            _log.info("ds_cobalt stage 2: chose %s (median step seconds %s)", chooser.chosen,
+                      {c: round(t, 5) for c, t in chooser.medians.items()})
+        return self._spares if mode == "step" else None
 
     def _pick_schedule(self, device: torch.device) -> str:
         chooser = self._chooser

@@ -91,7 +91,7 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_hierarchical" in names
     assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
     assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {},
-                                                         "model": {}}]
+                                                         "model": {}, "stage2": None}]
 
 
 def _default_body(rank: int, world: int) -> dict:
@@ -130,3 +130,39 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
                 else:  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all()
         assert out["hierarchical_history"][0][3] == []
+
+
+def _stage2_auto_body(rank: int, world: int) -> dict:
+    import slow_policy  # noqa: F401 - registers test_slow_shuffle (random owners, a replica per rank)
+
+    import ds_cobalt
+    from ds_cobalt.integrations.layers import layer_cores
+
+    steps = range(24)
+    engine = build_engine("deepspeed", 1)
+    out = {"deepspeed": train(engine, steps)}
+    engine.destroy()
+    # one re-plan (after step 12, applied at 13) whose layout has spare slots to refill on node 0's rank 1 and
+    # node 1's rank 3 (the replica of the previous rank's expert); then `auto` times step and interval
+    cobalt = {"planner": {"replan_interval": 12, "apply_lag": 1, "policy": "test_slow_shuffle"},
+              "migration": {"ignore_cost_model": True}, "transport": {"schedule": "hierarchical"}}
+    engine = build_engine("cobalt", 1, cobalt=cobalt)
+    seen = []
+    out["cobalt"] = train(engine, steps, before_step=lambda e, s: seen.append([c.stage2 for c in layer_cores(e)]))
+    out["stage2_seen"] = seen
+    out["stage2"] = [row["stage2"] for row in ds_cobalt.schedule_summary(engine.module)]
+    out["refilled_forwards"] = ds_cobalt.balance_summary(engine.module)["forwards"]
+    engine.destroy()
+    return out
+
+
+def test_stage2_auto_times_step_and_interval_and_matches_deepspeed(run_ranks) -> None:
+    import numpy as np
+
+    results = run_ranks(_stage2_auto_body, 4, ranks_per_node=2, timeout=400)
+    for out in results:
+        np.testing.assert_allclose(out["cobalt"], out["deepspeed"], rtol=1e-5, atol=1e-6)
+        assert all(row == [None, None] for row in out["stage2_seen"][:14])  # contiguous layout: nothing to refill
+        assert set(out["stage2"]) <= {"step", "interval"} and None not in out["stage2"]  # decided
+        assert out["refilled_forwards"] > 0  # the step trials refilled
+    assert all(out["stage2"] == results[0]["stage2"] for out in results)  # every rank agrees

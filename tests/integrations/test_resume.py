@@ -18,7 +18,9 @@ import pytest
 from test_migration import build_engine, train
 
 STEPS, SAVE_EVERY = 16, 5
-COBALT = {"planner": {"replan_interval": 4, "apply_lag": 2, "redundant_slots": 1, "policy": "test_slow_shuffle"},
+# fixed choices (schedule, stage 2): a timed `auto` choice may differ between runs, and with it summation orders
+COBALT = {"planner": {"replan_interval": 4, "apply_lag": 2, "redundant_slots": 1, "policy": "test_slow_shuffle",
+                      "stage2": "step"},
           "migration": {"ignore_cost_model": True}, "transport": {"schedule": "hierarchical"}}
 
 
