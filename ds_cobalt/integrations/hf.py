@@ -10,7 +10,11 @@ The `"cobalt"` section stays in the DeepSpeed JSON: neither the Trainer's config
   and applies it to the model's `ds_cobalt.MoE` layers;
 - at `on_train_begin` (the engine exists; with `"expert_parallel"` AutoEP has replaced the MoE blocks):
   converts the AutoEP layers to ds_cobalt's dispatcher (`auto_ep.adopt_auto_ep_layers`) and makes the engine
-  a `CobaltEngine` (step hooks, checkpoints), as `ds_cobalt.initialize` does;
+  a `CobaltEngine` (step hooks, checkpoints), as `ds_cobalt.initialize` does. On
+  `trainer.train(resume_from_checkpoint=...)` the Trainer loads the DeepSpeed checkpoint before `on_train_begin`;
+  the callback does the conversion right before that load instead (it wraps the Trainer's
+  `deepspeed_load_checkpoint`), so the load restores ds_cobalt's layouts, optimizer state and re-planner state
+  and the run continues exactly;
 - at `on_log` (training logging steps): adds `cobalt/*` metrics to the logs (so the printed logs,
   `state.log_history`, TensorBoard and other reporters get them): traffic since the previous logging step,
   summed over ranks, and expert load imbalance. Collective: every rank logs at the same steps, as the
@@ -82,10 +86,16 @@ class CobaltCallback(TrainerCallback):
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
         if model is not None:
             configure_layers(model, self.config)
+        _wrap_trainer_checkpoint_load(self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs: Any) -> None:
+        self._adopt(self._engine(), model)
+        self._previous = None
+        self._window(model)  # baseline for the first logging window
+
+    def _adopt(self, engine: Any, model: Any) -> None:
+        """Convert the AutoEP layers and make `engine` a `CobaltEngine` (idempotent per engine)."""
         config = self.config or self._resolve_config()
-        engine = self._engine()
         target = engine if engine is not None else model
         stage = self._ds_config.get("zero_optimization", {}).get("stage")
         adopt_auto_ep_layers(
@@ -98,8 +108,6 @@ class CobaltCallback(TrainerCallback):
             CobaltEngine.adopt(engine, config)
             self._hooked_engine = id(engine)
         peer_watch.install()  # every rank runs on_train_begin: a failing rank names the peer that died first
-        self._previous = None
-        self._window(model)  # baseline for the first logging window
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs: Any) -> None:
         if logs is None or "loss" not in logs or model is None:  # only training logging steps (all ranks)
@@ -196,6 +204,25 @@ class CobaltCallback(TrainerCallback):
             return None
         wrapped = getattr(trainer, "model_wrapped", None)
         return wrapped if hasattr(wrapped, "zero_optimization_stage") else None  # a DeepSpeedEngine
+
+
+def _wrap_trainer_checkpoint_load(callback: "CobaltCallback") -> None:
+    """Make the Trainer's resume load (`transformers.trainer.deepspeed_load_checkpoint`, called before
+    `on_train_begin`) convert the engine first, so that `CobaltEngine.load_checkpoint` does the load."""
+    import transformers.trainer as trainer_module
+
+    current = trainer_module.deepspeed_load_checkpoint
+    original = getattr(current, "ds_cobalt_original", current)
+    ref = weakref.ref(callback)
+
+    def load_checkpoint(deepspeed_engine, checkpoint_path, *args: Any, **kwargs: Any):
+        live = ref()
+        if live is not None and getattr(deepspeed_engine, "module", None) is not None:
+            live._adopt(deepspeed_engine, deepspeed_engine.module)
+        return original(deepspeed_engine, checkpoint_path, *args, **kwargs)
+
+    load_checkpoint.ds_cobalt_original = original
+    trainer_module.deepspeed_load_checkpoint = load_checkpoint
 
 
 def _load_deepspeed_config(value: Any) -> dict:

@@ -209,7 +209,7 @@ class LayerCore:
         stage2 = self.settings.planner.stage2
         if stage2 != "interval" and topo.ranks_per_node > 1:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
-        if self._spares is not None:
+        if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
         self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
 

@@ -152,3 +152,9 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
     manifests = sorted(p.name for p in saved.glob("cobalt_state_rank*.json"))
     assert manifests == [f"cobalt_state_rank{r}.json" for r in range(4)]
+    # Trainer.train(resume_from_checkpoint=...) from that checkpoint (taken in a migrated layout, replicas on):
+    # the callback converts the engine before the Trainer's load, so the resumed steps repeat bit for bit
+    resumed = _launch_example(tmp_path, "resumed", config, "--resume-from-checkpoint",
+                              str(tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}"))
+    assert resumed["exact_losses"] == m["exact_losses"][STEPS // 2:]
+    assert sum(resumed["cobalt_metrics"]["cobalt/migrations"]) >= 1  # the re-planner went on migrating
