@@ -76,6 +76,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     out["stage2_forwards"] = int(forwards)  # layer forwards refilled, summed over ranks
     out["stage2_node_gpu_max_over_mean"] = refilled / forwards if forwards else None
     out["interval_node_gpu_max_over_mean"] = interval / forwards if forwards else None
+    import ds_cobalt
+
+    model = getattr(engine, "module", engine)
+    out["stage2_now"] = [row["stage2"] for row in ds_cobalt.schedule_summary(model)]  # per layer, this layout
     for name, window in (("before", before), ("after", after)):
         out[f"sent_per_step_{name}"] = _mean(per_step["sent"][window])
         out[f"deepspeed_padded_per_step_{name}"] = _mean(per_step["deepspeed_padded"][window])
@@ -114,7 +118,8 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     if s.get("stage2_forwards"):
         print(f"  stage 2 every step  spare slots refilled in {s['stage2_forwards']} layer forwards (all ranks); GPU "
               f"load max/mean inside a node {s['stage2_node_gpu_max_over_mean']:.3f}, with the re-plan's replicas "
-              f"only {s['interval_node_gpu_max_over_mean']:.3f} (mean over those forwards)")
+              f"only {s['interval_node_gpu_max_over_mean']:.3f} (mean over those forwards); per layer now: "
+              f"{', '.join(str(m) for m in s['stage2_now'])} (`planner.stage2` auto times step against interval)")
     else:
         print("  stage 2 every step  not run: no spare slot to refill (before the first re-plan, or the layers ran "
               "the direct or dense schedule)")
