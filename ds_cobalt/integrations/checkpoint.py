@@ -29,6 +29,7 @@ from deepspeed.utils import logger
 from ..planner.layout import contiguous_layout
 from .migration import migratable_layers, migrate, relink_optimizer_state
 from .portable import has_portable_state, load_portable_state, save_portable_state
+from .replan_state import latest_tag_directory
 
 CLIENT_KEY = "ds_cobalt"
 FORMAT = "ds-cobalt/checkpoint-v1"
@@ -61,16 +62,11 @@ def load_checkpoint(engine: Any, load: Any, portable_state: bool, load_dir: str,
     with `load_module_only=True` and portable state present, the optimizer state from it."""
     result = load_logical(engine, load, load_dir, tag, *args, **kwargs)
     if portable_state and kwargs.get("load_module_only") and result[0] is not None:
-        directory = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir)))
-        if has_portable_state(directory):
+        directory = latest_tag_directory(load_dir, tag)
+        if directory is not None and has_portable_state(directory):
             load_portable_state(engine, directory)
             logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state)")
     return result
-
-
-def _latest_tag(load_dir: str) -> str:
-    with open(os.path.join(load_dir, "latest")) as f:
-        return f.read().strip()
 
 
 def layout_metadata(layers: list[Any]) -> dict:
