@@ -56,9 +56,9 @@ def balance_summary(model: torch.nn.Module) -> dict[str, float | int]:
     them of the node's per-GPU load max/mean, refilled (`stage2`) and with the re-plan's replicas (`interval`),
     so that ranks can add them up (`runtime/step_spares.BalanceCounters`)."""
     cores = layer_cores(model)
-    return {"forwards": sum(len(c.balance.refilled) for c in cores),
-            "stage2_sum": float(sum(sum(c.balance.refilled) for c in cores)),
-            "interval_sum": float(sum(sum(c.balance.interval) for c in cores))}
+    return {"forwards": sum(c.balance.forwards for c in cores),
+            "stage2_sum": float(sum(c.balance.refilled_sum for c in cores)),
+            "interval_sum": float(sum(c.balance.interval_sum for c in cores))}
 
 
 def schedule_summary(model: torch.nn.Module) -> list[dict]:

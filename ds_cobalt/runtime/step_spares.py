@@ -18,7 +18,7 @@ The host needs only the `[G, E]` counts per relay (`fill_step` runs after the la
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -152,20 +152,23 @@ def copy_of_routes(fill: StepFill, counts_WE: torch.Tensor, ranks_per_node: int,
 @dataclass
 class BalanceCounters:
     """Per forward with stage 2 every step: max/mean of the rows each GPU of this rank's node serves, refilled
-    and with the layout's own spare slots (tokens split evenly over the copies in both)."""
+    and with the layout's own spare slots (tokens split evenly over the copies in both); running sums, so a long
+    run keeps a constant size."""
 
-    refilled: list[float] = field(default_factory=list)
-    interval: list[float] = field(default_factory=list)
+    forwards: int = 0
+    refilled_sum: float = 0.0
+    interval_sum: float = 0.0
     last_slots_WS: np.ndarray | None = None  # the last refilled layout (this node's rows refilled)
 
     def add(self, fill: StepFill) -> None:
-        self.refilled.append(max_over_mean(fill.load_G))
-        self.interval.append(max_over_mean(fill.static_load_G))
+        self.forwards += 1
+        self.refilled_sum += max_over_mean(fill.load_G)
+        self.interval_sum += max_over_mean(fill.static_load_G)
         self.last_slots_WS = fill.slots_WS
 
     def summary(self) -> dict[str, float | int]:
-        """Forwards counted and the median of both ratios over them."""
-        if not self.refilled:
+        """Forwards counted and the mean of both ratios over them."""
+        if not self.forwards:
             return {"forwards": 0}
-        return {"forwards": len(self.refilled), "gpu_max_over_mean_stage2": float(np.median(self.refilled)),
-                "gpu_max_over_mean_interval": float(np.median(self.interval))}
+        return {"forwards": self.forwards, "gpu_max_over_mean_stage2": self.refilled_sum / self.forwards,
+                "gpu_max_over_mean_interval": self.interval_sum / self.forwards}
