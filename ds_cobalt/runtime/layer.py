@@ -54,6 +54,9 @@ from .traffic import StepTraffic, TrafficCounters
 Piece = tuple[torch.nn.Parameter, "int | None"]
 
 HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
+# how much faster (fraction of a step) another schedule must measure to replace dense: about the spread of
+# 3-step medians on the shared test machines (paired ratios moved by +-0.03)
+DENSE_MARGIN = 0.05
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens
 _MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL = 512, 8192
@@ -211,7 +214,13 @@ class LayerCore:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
         if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
-        self._chooser = StepTimedChoice(self._schedule_candidates())  # re-decided for every layout
+        self._chooser = self._schedule_chooser(self._schedule_candidates())  # re-decided for every layout
+
+    @staticmethod
+    def _schedule_chooser(candidates: list[str]) -> StepTimedChoice:
+        """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
+        measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed."""
+        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN)
 
     def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:
         wanted = self.settings.transport.schedule
@@ -237,6 +246,12 @@ class LayerCore:
     def schedule(self) -> str | None:
         """The schedule in use (None while `auto` is still timing the candidates)."""
         return None if self._chooser is None else self._chooser.chosen
+
+    @property
+    def settled_dense(self) -> bool:
+        """Whether this layer runs the dense schedule for its current layout (chosen, or the only one); re-plans
+        leave such a layer out: its traffic is DeepSpeed's padded blocks on any layout."""
+        return self.schedule == DENSE
 
     @property
     def stage2(self) -> str | None:
@@ -297,12 +312,13 @@ class LayerCore:
                 capacity_is_local, padded_by_deepspeed = True, False
             capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
             if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
-                self._chooser = StepTimedChoice(self._schedule_candidates(without=(DENSE,)))
+                self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
                 schedule = self._pick_schedule(x_TD.device)
         flat = schedule in (DIRECT, DENSE)
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
-        self.stats.update(topk_ids_TK)
+        # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
+        self.stats.update(topk_ids_TK, planned=not self.settled_dense)
         if self.trace_rows is not None:
             self.trace_rows.append(topk_ids_TK.detach().cpu())
         if schedule == DENSE:

@@ -24,14 +24,15 @@ class DeviceRoutingStats:
         self.sample_BK = torch.full((sample_tokens, top_k), -1, dtype=torch.long, device=device)
         self.tokens = 0  # tokens counted (host int; shapes are known on the host)
 
-    def update(self, topk_ids_TK: torch.Tensor) -> None:
+    def update(self, topk_ids_TK: torch.Tensor, planned: bool = True) -> None:
+        """Count one forward's routes; `planned=False` counts load only (a layer the replanner leaves out)."""
         if self.load_E.device != topk_ids_TK.device:  # the model moved after construction
             self.load_E, self.coact_EE, self.sample_BK = (
                 t.to(topk_ids_TK.device) for t in (self.load_E, self.coact_EE, self.sample_BK))
         T, K = topk_ids_TK.shape
         ids = topk_ids_TK.long()
         valid = ids >= 0
-        if not self.planning:  # load only (a token picks an expert at most once): no [T, E] multi-hot
+        if not (self.planning and planned):  # load only (a token picks an expert at most once): no [T, E] multi-hot
             self.load_E.index_add_(0, ids.clamp(min=0).reshape(-1), valid.reshape(-1).to(self.load_E.dtype))
             self.tokens += T
             return

@@ -130,12 +130,16 @@ class StepTimedChoice:
     """Picks one of `candidates` by timing whole training steps: a trial runs from the layer's forward to the
     end of the optimizer step (`step_end`), or to its next forward where nothing calls `step_end`, so it
     includes the backward (and everything else of the step, which is the same for every candidate). Trials
-    alternate candidates `repeats` times after `warmup` steps; the lowest median wins. Every rank of the EP
-    group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides)."""
+    alternate candidates `repeats` times after `warmup` steps; the lowest median wins, except that `prefer`
+    (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
+    its median): a close call on a noisy machine then stays with the safe candidate. Every rank of the EP group
+    walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides)."""
 
-    def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1) -> None:
+    def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
+                 margin: float = 0.0) -> None:
         self.repeats = repeats
         self.warmup = warmup
+        self.prefer, self.margin = prefer, margin
         self.medians: dict[str, float] = {}
         self.predicted: dict[str, float] = {}  # the cost model's seconds per candidate (`use_model`)
         self.pruned: list[str] = []  # candidates the model ruled out
@@ -199,3 +203,6 @@ class StepTimedChoice:
             dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=groups.ep_group)
         self.medians = dict(zip(self.candidates, medians.tolist()))
         self.chosen = self.candidates[int(medians.argmin())]
+        safe = self.medians.get(self.prefer) if self.prefer is not None else None
+        if safe is not None and self.medians[self.chosen] > (1.0 - self.margin) * safe:
+            self.chosen = self.prefer

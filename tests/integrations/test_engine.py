@@ -121,9 +121,14 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
     for out in run_ranks(_default_body, 4, ranks_per_node=2, timeout=400):
         for name in ("auto", "hierarchical"):
             np.testing.assert_allclose(out[name], out["deepspeed"], rtol=1e-5, atol=1e-6)
-            ((planned_after, applied, planned, skipped),) = out[f"{name}_history"]
-            assert (planned_after, applied) == (50, 55)  # planner.replan_interval 50, apply_lag 5
-            assert planned + len(skipped) == 2
+            history = out[f"{name}_history"]
+            if all(schedule == "dense" for schedule in out[f"{name}_schedules"]):
+                assert history == [], history  # nothing to plan: the re-plan is skipped
+                skipped = [0, 1]
+            else:
+                ((planned_after, applied, planned, skipped),) = history
+                assert (planned_after, applied) == (50, 55)  # planner.replan_interval 50, apply_lag 5
+                assert planned + len(skipped) == 2
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if i in skipped:  # dense: its traffic does not depend on the layout, so it keeps it
                     assert schedule == "dense" and slots.shape == (4, 2)

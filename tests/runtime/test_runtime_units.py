@@ -70,6 +70,12 @@ def test_device_stats_match_numpy_reference() -> None:
     np.testing.assert_array_equal(load, ref_load)
     np.testing.assert_array_equal(coact, ref_coact)
     np.testing.assert_array_equal(sample, np.concatenate(chunks)[-50:][np.argsort((np.arange(71) % 50)[-50:])])
+    distinct = np.stack([rng.permutation(E)[:K] for _ in range(20)])  # a router picks an expert once per token
+    stats.update(torch.from_numpy(distinct), planned=False)  # a layer left out of re-plans: load only
+    load2, coact2, sample2 = stats.snapshot()
+    np.testing.assert_array_equal(load2, ref_load + count_routing(distinct, E)[0])
+    np.testing.assert_array_equal(coact2, ref_coact)
+    np.testing.assert_array_equal(sample2, sample)
 
 
 def test_topology_detection_and_errors() -> None:
@@ -258,6 +264,25 @@ def test_step_timed_choice_ends_trials_at_the_optimizer_step(monkeypatch) -> Non
         chooser.step_end(torch.device("cpu"))
         now["t"] += 10.0 if pick == "dense" else 0.0  # slow work after dense's steps: not dense's cost
     assert chooser.chosen == "dense" and chooser.medians == {"hierarchical": 2.0, "dense": 1.0}
+
+
+@pytest.mark.parametrize("hierarchical_s,chosen", [(0.97, "dense"), (0.94, "hierarchical")])
+def test_step_timed_choice_keeps_the_preferred_candidate_in_a_close_call(monkeypatch, hierarchical_s,
+                                                                          chosen) -> None:
+    """The preferred candidate (the layer's: dense) is replaced only by one faster by more than the margin."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "dense"])
+    assert (chooser.prefer, chooser.margin) == ("dense", DENSE_MARGIN) and DENSE_MARGIN == 0.05
+    cost = {"hierarchical": hierarchical_s, "dense": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    for _ in range(8):
+        now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
+    assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
 
 
 def test_step_timed_choice_follows_the_model() -> None:
