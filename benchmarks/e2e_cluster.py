@@ -9,11 +9,11 @@ Models (examples/train_moe.py arguments):
 
 Variants (same data, seed and initial weights; examples/train_moe.py):
   a  deepspeed          DeepSpeed's own MoE layer and all-to-all
-  b  cobalt             ds_cobalt's defaults, contiguous layout: the hierarchical schedule, each token crosses
-                        to each remote node once
+  b  cobalt             ds_cobalt's defaults (the template's section only): `transport.schedule` "auto" (the
+                        cost model prunes, the first steps time the rest, DeepSpeed's dense exchange kept unless
+                        another measures 5% faster), re-planning every 50 steps, one spare slot per rank
   (opt-in) cobalt-direct, cobalt-dense, cobalt-auto   (b) with `transport.schedule` "direct" (each token once
-                        per destination rank), "dense" (DeepSpeed's padded exchange) or "auto" (all three timed
-                        on the first steps, the fastest kept)
+                        per destination rank), "dense" (DeepSpeed's padded exchange) or "auto" (= b)
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 VARIANTS = {
     "deepspeed": {"impl": "deepspeed", "cobalt": {}},
-    "cobalt": {"impl": "cobalt", "cobalt": {}},  # the defaults (transport.schedule "hierarchical")
+    "cobalt": {"impl": "cobalt", "cobalt": {}},  # the defaults (transport.schedule "auto", re-planning on)
     "cobalt-direct": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "direct"}}},
     "cobalt-dense": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "dense"}}},
     "cobalt-auto": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "auto"}}},

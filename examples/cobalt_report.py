@@ -58,7 +58,8 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     """Before / after the first re-plan that moved experts (or changed replicas), from the gathered per-step data."""
     from ds_cobalt.integrations.replan import Replanner
 
-    history = next((h.history for h in getattr(engine, "cobalt_step_hooks", []) if isinstance(h, Replanner)), [])
+    replanner = next((h for h in getattr(engine, "cobalt_step_hooks", []) if isinstance(h, Replanner)), None)
+    history = replanner.history if replanner is not None else []
     moves = [m for m in getattr(engine, "cobalt_migrations", []) if m.reason.startswith("replan")]
     committed = [m for m in moves if m.ok]
     first = committed[0].step if committed else None
@@ -68,6 +69,7 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     out = {"replans": [h.get("planned_after_step", h["step"]) for h in history],
            "replan_dense_skipped": sum(len(h["dense_skipped"]) for h in history),
            "replan_layers": sum(h["layers"] for h in history),
+           "replans_skipped_dense": list(replanner.dense_skips) if replanner is not None else [],
            "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
@@ -89,7 +91,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
 
 def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     print("what ds_cobalt did")
-    if not s["replans"]:
+    if not s["replans"] and s.get("replans_skipped_dense"):
+        print(f"  re-plans            skipped after steps {', '.join(map(str, s['replans_skipped_dense']))}: every "
+              "layer runs DeepSpeed's dense exchange (fastest on this link), whose traffic no layout changes")
+    elif not s["replans"]:
         print("  re-plans            none (planner.replan_interval = 0, or the run ended before the first)")
     else:
         print(f"  re-plans            after steps {', '.join(map(str, s['replans']))} (worker processes; slowest "

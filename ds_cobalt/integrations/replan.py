@@ -59,7 +59,7 @@ class Replanner:
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
-        self._dense_logged = False
+        self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
         if not self.layers:
             return
         for layer in self.layers:
@@ -105,9 +105,9 @@ class Replanner:
         step = int(engine.global_steps)
         if self._apply_at is None and self._all_dense():
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
-            if step % self._interval == 0 and not self._dense_logged:
-                self._dense_logged = True
-                if not dist.is_initialized() or dist.get_rank() == 0:
+            if step % self._interval == 0:
+                self.dense_skips.append(step)
+                if len(self.dense_skips) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
                     logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
                                 "independent of the layout); re-plans are skipped while they do")
             return

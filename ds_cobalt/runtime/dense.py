@@ -62,16 +62,17 @@ def dense_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, locations_TK: torch
     send_XD = gather_rows(x_pad, source_X[:empty], backend=backend)
     split = [L * C] * W
     recv_XD = all_to_all_rows(send_XD, split, split, groups.ep_group)
-    # [W, L, C, D] -> one [W * C, D] block per owner slot: one permuted copy (a strided slice per slot would
-    # make backward zero-fill and add a whole-buffer gradient for every slot)
-    per_slot = recv_XD.reshape(W, L, C, D).transpose(0, 1).reshape(L, W * C, D).unbind(0)
+    # [W, L, C, D] -> one [W * C, D] block per owner slot, as DeepSpeed's experts take them: `unbind` views
+    # (backward: one stack of the slot gradients, not a zero-filled buffer per slot), one copy per slot, and
+    # the outputs stacked straight into [W, L, C, D]
+    per_slot = recv_XD.view(W, L, C, D).unbind(1)
     outs = []
     for s in range(L):
         fn = slot_fns[s]
         assert fn is not None, f"owner slot {s} has no expert"
-        out = fn(per_slot[s])
-        outs.append(out[0] if isinstance(out, tuple) else out)
-    out_XD = torch.stack(outs).reshape(L, W, C, D).transpose(0, 1).reshape(W * L * C, D)
+        out = fn(per_slot[s].reshape(W * C, D))
+        outs.append((out[0] if isinstance(out, tuple) else out).view(W, C, D))
+    out_XD = torch.stack(outs, dim=1).reshape(W * L * C, D)
     back_XD = all_to_all_rows(out_XD, split, split, groups.ep_group)
     kept_TK = cell_TK < empty
     # dropped routes read any row (row 0) with weight 0, as DeepSpeed's combine weighs every buffer row

@@ -428,6 +428,7 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
     (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
     out["dense_history"] = hook.history
     out["dense_worker"] = hook._planner is not None
+    out["dense_skips"] = hook.dense_skips
     return out
 
 
@@ -455,7 +456,7 @@ def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_
         assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["costed_history"]] == [
             (4, 2, []), (8, 2, []), (12, 2, [])]  # both layers planned each time
         # every layer dense: no re-plan runs at all (no gather, no worker process)
-        assert r["dense_history"] == [] and not r["dense_worker"]
+        assert r["dense_history"] == [] and not r["dense_worker"] and r["dense_skips"] == [4, 8]
     assert res[0]["killed_layouts"][-1][0].shape == (4, 3)
     logged = [p.name for p in tmp_path.rglob("*") if p.is_file()]
     assert any("migration" in name for name in logged), logged
