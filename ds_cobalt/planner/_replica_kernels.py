@@ -399,3 +399,65 @@ def greedy_copies(sets_TK, src_node_T, node_of_E, holds_NE, count, own_weight): 
             held[best] = True
             order_NE[n, best] = i
     return order_NE
+
+
+@_jit
+def _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e):  # noqa: ANN001, ANN202
+    """N times the decrease of the value when view s toggles its copy of e (adds it when e counts in s,
+    removes it otherwise): the sets of e where e is its owner's only counted expert (add) or where the
+    owner has no counted expert (remove). Zero when s owns e (the copy changes nothing there)."""
+    own = node_of_E[e]
+    if own == s:
+        return 0.0
+    total = 0.0
+    if active_SE[s, e]:
+        for p in range(ptr_E[e], ptr_E[e + 1]):
+            m = set_P[p]
+            total += w_M[m] * _ind(cnt_MSN[m, s, own] == 1)
+    else:
+        for p in range(ptr_E[e], ptr_E[e + 1]):
+            m = set_P[p]
+            total -= w_M[m] * _ind(cnt_MSN[m, s, own] == 0)
+    return total
+
+
+@_jit
+def _toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e):  # noqa: ANN001, ANN202
+    own = node_of_E[e]
+    step = -1 if active_SE[s, e] else 1
+    for p in range(ptr_E[e], ptr_E[e + 1]):
+        cnt_MSN[set_P[p], s, own] += step
+    active_SE[s, e] = not active_SE[s, e]
+
+
+@_jit
+def rep_copy_gains(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s):  # noqa: ANN001, ANN201
+    """`[E]` decrease of the value when view s toggles its copy of each expert (`_copy_gain` / N)."""
+    E = node_of_E.size
+    N = active_SE.shape[0]
+    out = np.empty(E)
+    for e in range(E):
+        out[e] = _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e) / N
+    return out
+
+
+@_jit
+def rep_copy_move_delta(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e, f):  # noqa: ANN001, ANN201
+    """Exact decrease of the value when view s drops its copy of e and takes one of f (e copied, f counted):
+    the drop applied, the take's gain measured, the drop undone."""
+    total = _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e)
+    _toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e)
+    total += _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, f)
+    _toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e)
+    return total / active_SE.shape[0]
+
+
+@_jit
+def rep_toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e):  # noqa: ANN001, ANN201
+    _toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e)
+
+
+@_jit
+def rep_copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e):  # noqa: ANN001, ANN201
+    """One entry of `rep_copy_gains`."""
+    return _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e) / active_SE.shape[0]

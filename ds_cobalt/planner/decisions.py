@@ -14,7 +14,7 @@ from .assign import assign_tasks, remote_nodes_per_token
 from .layout import Layout, canonical_owner_order, owner_rank_of
 from .migration import LinkModel, migration_bytes, migration_worth_it
 from .owner_moves import align_owner_slots
-from .policies import LayerInput, plan_layer
+from .policies import LayerInput, plan_layer, replicas_for_owners
 from .stats import RoutingStats, merge_sets, topk_sets
 
 __all__ = ["KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "cross_node_per_token",
@@ -81,5 +81,10 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     saving_s = (saved_bytes - cost_bytes) / link.bytes_per_s
     worth = migration_worth_it(moved, old, new, int(tokens_per_step), interval, link)
     if not (worth or (ignore_cost_model and moved)):
-        return LayerDecision(KEEP, current_WS, old, new, saving_s)
+        # Owners stay; the spare slots are still free to choose (no owner moves, nothing to pay).
+        kept = replicas_for_owners(inp, current_WS[:, :P]) if redundant_slots else current_WS
+        if kept.shape == current_WS.shape and np.array_equal(kept, current_WS):
+            return LayerDecision(KEEP, current_WS, old, new, saving_s)
+        kept_cross = cross_node_per_token(stats.samples_TK, stats.source_rank_T, kept, gpus_per_node)
+        return LayerDecision(REPLICAS, kept, old, kept_cross)
     return LayerDecision(MIGRATE, slots, old, new, saving_s)

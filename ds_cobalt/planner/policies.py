@@ -16,11 +16,12 @@ import numpy as np
 
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
+from .joint import refine_joint
 from .layout import Layout, canonical_owner_order
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, _traffic_order_sets
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
-from .stage2 import node_loads, pack_node, plan_gpus, replicate_hot
+from .stage2 import fill_spares, node_loads, pack_node, plan_gpus, replicate_hot
 from .stats import RoutingStats, topk_sets
 from .trace import Trace
 
@@ -78,13 +79,18 @@ def _current_nodes(inp: LayerInput, E: int) -> np.ndarray | None:
 
 def _evaluate(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float]:
     """(cross-node tokens per token, GPU load max/mean) of `slots_WS` on the sample tokens."""
+    return _evaluate_loads(inp, slots_WS)[:2]
+
+
+def _evaluate_loads(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """`_evaluate` plus the `[W]` sample pairs each GPU serves."""
     T = inp.topk_ids_TK.shape[0]
     if T == 0:
-        return 0.0, 1.0
+        return 0.0, 1.0, np.zeros(slots_WS.shape[0], dtype=np.int64)
     dest, _ = assign_tasks(inp.topk_ids_TK, inp.source_rank_T, slots_WS, inp.gpus_per_node)
     load_W = np.bincount(dest[dest >= 0], minlength=slots_WS.shape[0])
     balance = float(load_W.max() / load_W.mean()) if load_W.sum() else 1.0
-    return float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean()), balance
+    return float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean()), balance, load_W
 
 
 @register_policy("deepspeed")
@@ -152,6 +158,23 @@ def _strip(sets_MK: np.ndarray, drop_E: np.ndarray) -> np.ndarray:
 
 @register_policy("cobalt")
 def cobalt_policy(inp: LayerInput) -> np.ndarray:
+    """Stage 1 + stage 2, choosing owners and replicas together (`cobalt_layer` with the default joint step)."""
+    return cobalt_layer(inp, joint=COBALT_JOINT)
+
+
+@register_policy("cobalt-alternate")
+def cobalt_alternate_policy(inp: LayerInput) -> np.ndarray:
+    """`cobalt` with the joint step that alternates owner refinement and greedy copy re-picks."""
+    return cobalt_layer(inp, joint="alternate")
+
+
+@register_policy("cobalt-moves")
+def cobalt_moves_policy(inp: LayerInput) -> np.ndarray:
+    """`cobalt` with the joint step of exact owner swaps and copy moves (`joint.refine_joint`)."""
+    return cobalt_layer(inp, joint="moves")
+
+
+def cobalt_layer(inp: LayerInput, *, joint: str = "moves") -> np.ndarray:
     """Stage 1 + stage 2, choosing owners and replicas together.
 
     Candidates differ in how the G * R spare slots of a node are used:
@@ -164,7 +187,13 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     cross-node tokens among those with GPU max/mean within max(1.05, 1.02 x best) wins; when it is worse than
     EPLB in traffic or balance, the fewest cross-node tokens among own candidates at or below EPLB in both
     (if none is, a slightly worse balance is kept rather than EPLB's much larger traffic).
+
+    `joint` (candidates with copies, N <= 16): "alternate" re-partitions the owners with the copies counted as
+    local and re-picks the greedy copies, twice; "moves" runs `refine_joint` (owner swaps and copy moves
+    scored exactly on one objective, the everywhere-copies kept) and scores its result next to the candidate.
     """
+    if joint not in ("alternate", "moves"):
+        raise ValueError(f"joint must be 'alternate' or 'moves', got {joint!r}")
     st = inp.stats
     E, N, G, R = st.num_experts, inp.nodes, inp.gpus_per_node, inp.redundant_slots
     current = _current_nodes(inp, E)
@@ -193,8 +222,20 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
         order_NE = _traffic_order_sets(sample_sets_TK, src_node_T, node_of_E, holds_NE, max(ys))
         for y in ys:
             owners, extra_NE = node_of_E, everywhere_NE | (order_NE < y)
-            for joint in range(JOINT_ROUNDS + 1 if (x or y) and N <= JOINT_MAX_NODES else 1):
-                if joint:
+            joint_ok = (x or y) and N <= JOINT_MAX_NODES
+            if joint == "moves":
+                slots = _slots(inp, owners, extra_NE)
+                results.append((*_evaluate(inp, slots), slots))
+                if joint_ok:
+                    # Step 4 (joint): owner swaps and copy moves on one exact objective, then copies traded
+                    # for balance on the node of the busiest GPU (each step a candidate).
+                    for tol in JOINT_LOAD_TOLERANCES:
+                        new_owners, new_extra = refine_joint(st.sets_MK, st.count_M, load_E, owners, extra_NE, x + y,
+                                                             fixed_NE=everywhere_NE, load_tolerance=tol)
+                        results += _trade_copies_for_balance(inp, new_owners, new_extra, everywhere_NE)
+                continue
+            for joint_round in range(JOINT_ROUNDS + 1 if joint_ok else 1):
+                if joint_round:
                     # Step 4 (joint): re-partition owners with these copies counted as local, then re-pick
                     # the traffic copies for the new owners. Unchanged owners would give the same copies,
                     # slots and score as the candidate just scored (and so every later round): stop.
@@ -225,8 +266,63 @@ def cobalt_policy(inp: LayerInput) -> np.ndarray:
     return pick[2]
 
 
-JOINT_ROUNDS = 2  # owner re-partitions per candidate with copies counted as local
+JOINT_ROUNDS = 2  # "alternate": owner re-partitions per candidate with copies counted as local
 JOINT_MAX_NODES = 16  # ReplicaPartitionState keeps N * M * N counters
+JOINT_LOAD_TOLERANCES = (0.02,)  # "moves": modelled node load within these of the mean (one search each)
+COBALT_JOINT = "moves"  # the joint step of the registered `cobalt` policy
+BALANCE_TARGET = 1.05  # "moves": GPU max/mean on the sample up to which traffic copies are kept
+JOINT_MAX_DROPS = 4  # "moves": copies traded for balance per joint result
+
+
+def _trade_copies_for_balance(inp: LayerInput, owners: np.ndarray, copies_NE: np.ndarray,
+                              fixed_NE: np.ndarray) -> list[tuple[float, float, np.ndarray]]:
+    """Scored layouts, starting with (owners, copies): while the busiest GPU on the sample is above
+    `BALANCE_TARGET`, its node drops the movable copy that costs the least in the replica-aware objective
+    (stage 2 gives the freed slot to the node's hottest experts), at most `JOINT_MAX_DROPS` times."""
+    st = inp.stats
+    state = ReplicaPartitionState(st.sets_MK, st.count_M, owners, copies_NE)
+    out = []
+    for _ in range(JOINT_MAX_DROPS + 1):
+        slots = _slots(inp, owners, state.copies_NE())
+        traffic, balance, load_W = _evaluate_loads(inp, slots)
+        out.append((traffic, balance, slots))
+        node = int(np.argmax(load_W)) // inp.gpus_per_node
+        movable_E = state.copies_NE()[node] & ~fixed_NE[node]
+        if balance <= BALANCE_TARGET or not movable_E.any():
+            break
+        state.toggle_copy(node, int(np.argmax(np.where(movable_E, state.copy_gains(node), -np.inf))))
+    return out
+
+
+def replicas_for_owners(inp: LayerInput, owner_WP: np.ndarray) -> np.ndarray:
+    """`[W, P + R]` slots that keep the owners of `owner_WP` in place and choose only the spare slots (free:
+    no owner moves): 0, half or all of each node's G * R spare slots hold per-node traffic copies
+    (`traffic_replicas` order), the rest copies of the node's hottest experts; the fewest cross-node tokens on
+    the sample among those with GPU max/mean within max(1.05, 1.02 x best) wins."""
+    E, N, G, R = inp.stats.num_experts, inp.nodes, inp.gpus_per_node, inp.redundant_slots
+    owner_WP = np.asarray(owner_WP, dtype=np.int64)
+    node_of_E = np.zeros(E, dtype=np.int64)
+    rank_W = np.repeat(np.arange(owner_WP.shape[0]), owner_WP.shape[1])
+    node_of_E[owner_WP.reshape(-1)] = rank_W // G
+    holds_NE = np.zeros((N, E), dtype=bool)
+    holds_NE[node_of_E, np.arange(E)] = True
+    spare = 0 if N == 1 else G * R
+    ys = sorted({0, spare // 2, spare}) if inp.topk_ids_TK.shape[0] else [0]
+    sets_TK = topk_sets(np.asarray(inp.topk_ids_TK, dtype=np.int64))
+    order_NE = _traffic_order_sets(sets_TK, inp.source_rank_T // G, node_of_E, holds_NE, max(ys))
+    results = []
+    for y in ys:
+        extra_NE = order_NE < y
+        slots = fill_spares(owner_WP, _node_load_NE(inp, node_of_E, extra_NE), extra_NE, G, R)
+        results.append((*_evaluate(inp, slots), slots))
+    best_balance = min(r[1] for r in results)
+    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02) + 1e-12]
+    return min(ok, key=lambda r: (r[0], r[1]))[2]
+
+
+def _slots(inp: LayerInput, owners: np.ndarray, extra_NE: np.ndarray) -> np.ndarray:
+    """Stage 2 for given owners and copies: free spare slots to the node's hottest experts, GPUs packed."""
+    return plan_gpus(owners, extra_NE, _node_load_NE(inp, owners, extra_NE), inp.gpus_per_node, inp.redundant_slots)
 
 
 def refine_owners(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, node_of_E: np.ndarray,

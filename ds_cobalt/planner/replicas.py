@@ -172,3 +172,35 @@ class ReplicaPartitionState:
         from . import _replica_kernels as _kernels
 
         _kernels.rep_apply_swap(self.ptr_E, self.set_P, self.cnt_MSN, self.node_of_E, self.active_SE, int(a), int(b))
+
+    def copies_NE(self) -> np.ndarray:
+        """`[N, E]` bool: the copies held off the owner node (a copy on the owner's node counts for nothing)."""
+        return ~self.active_SE & (self.node_of_E[None, :] != np.arange(self.N)[:, None])
+
+    def copy_gains(self, s: int) -> np.ndarray:
+        """`[E]` decrease of `value` when node s toggles its copy of e: adding it where s has none (>= 0),
+        dropping it where s has one (<= 0); 0 where s owns e."""
+        from . import _replica_kernels as _kernels
+
+        return _kernels.rep_copy_gains(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                       self.active_SE, int(s))
+
+    def copy_gain(self, s: int, e: int) -> float:
+        """One entry of `copy_gains`."""
+        from . import _replica_kernels as _kernels
+
+        return float(_kernels.rep_copy_gain(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                            self.active_SE, int(s), int(e)))
+
+    def copy_move_delta(self, s: int, e: int, f: int) -> float:
+        """Decrease of `value` when node s drops its copy of e and takes one of f (exact, state unchanged)."""
+        from . import _replica_kernels as _kernels
+
+        return float(_kernels.rep_copy_move_delta(self.ptr_E, self.set_P, self.cnt_MSN, self.w_M, self.node_of_E,
+                                                  self.active_SE, int(s), int(e), int(f)))
+
+    def toggle_copy(self, s: int, e: int) -> None:
+        """Add node s's copy of e if it has none, else drop it."""
+        from . import _replica_kernels as _kernels
+
+        _kernels.rep_toggle_copy(self.ptr_E, self.set_P, self.cnt_MSN, self.node_of_E, self.active_SE, int(s), int(e))

@@ -232,3 +232,45 @@ def refill_node(block_GS: np.ndarray, free_GS: np.ndarray, load_E: np.ndarray,
     index_GS = np.searchsorted(ids, np.maximum(out, 0)).clip(max=max(ids.size - 1, 0))
     share_GS = np.where(first_GS, share_IG[index_GS, np.arange(G)[:, None]] if ids.size else 0, 0)
     return out, share_GS
+
+
+def fill_spares(owner_WP: np.ndarray, load_NE: np.ndarray, extra_NE: np.ndarray, gpus_per_node: int,
+                redundant_slots: int, *, fill_hot: bool = True) -> np.ndarray:
+    """`[W, P + R]` slots with the owners of `owner_WP` kept where they are (no owner moves) and the spare
+    slots filled: each node's cross-node replicas `extra_NE`, then (`fill_hot`) copies of its hottest experts.
+    Loads are per copy (`load_NE` split over a node's copies); LPT onto the lightest GPU of the node with a
+    free spare slot and no copy of the expert (ties: lower GPU, lower expert)."""
+    owner_WP = np.asarray(owner_WP, dtype=np.int64)
+    W, P = owner_WP.shape
+    G, R = gpus_per_node, redundant_slots
+    N = W // G
+    slots_WS = np.full((W, P + R), -1, dtype=np.int64)
+    slots_WS[:, :P] = owner_WP
+    for n in range(N):
+        rows = slice(n * G, (n + 1) * G)
+        owners = owner_WP[rows].reshape(-1)
+        owners = owners[owners >= 0]
+        extras = np.nonzero(extra_NE[n])[0]
+        extras = extras[~np.isin(extras, owners)][: G * R]
+        ids = np.concatenate([owners, extras])
+        load = load_NE[n, ids]
+        left = G * R - extras.size
+        copies = replicate_hot(load, left) if (fill_hot and left) else np.ones(ids.size, np.int64)
+        copies = np.minimum(copies, G)
+        per_copy = load / copies
+        gpu_load = np.array([per_copy[np.isin(ids, owner_WP[n * G + g])].sum() for g in range(G)])
+        is_owner = np.arange(ids.size) < owners.size
+        spare_ids = np.concatenate([np.repeat(ids, copies - 1), ids[~is_owner]])
+        spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
+        free = np.full(G, R)
+        for i in np.lexsort((spare_ids, -spare_load)):
+            e = spare_ids[i]
+            held = (slots_WS[rows] == e).any(axis=1)
+            ok = np.nonzero((free > 0) & ~held)[0]
+            if ok.size == 0:
+                continue
+            g = int(ok[np.argmin(gpu_load[ok])])
+            slots_WS[n * G + g, P + R - free[g]] = e
+            free[g] -= 1
+            gpu_load[g] += spare_load[i]
+    return slots_WS

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ds_cobalt.planner import LinkModel, migration_worth_it
-from ds_cobalt.planner.decisions import KEEP, MIGRATE, LayerStats, plan_layer_decision
+from ds_cobalt.planner.decisions import KEEP, MIGRATE, REPLICAS, LayerStats, plan_layer_decision
 from ds_cobalt.planner.migration import migration_bytes
 from ds_cobalt.planner.owner_moves import align_owner_slots, plan_owner_moves
+from ds_cobalt.planner.stage2 import fill_spares
 from ds_cobalt.planner.stats import count_routing
 
 E = 8
@@ -65,6 +66,29 @@ def test_plan_layer_decision_follows_cost_model() -> None:
     forced = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64),
                                  redundant_slots=0, ignore_cost_model=True, **COMMON)
     assert forced.action == MIGRATE
+
+
+def test_owner_moves_refused_still_plan_the_spare_slots() -> None:
+    """Migration too dear: the owners stay where they are and the spare slots still get replicas (free);
+    the pairs split across nodes get per-node traffic copies, and the sample crosses less than before."""
+    stats, current = _paired_stats(), np.arange(E).reshape(4, 2)
+    dear = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64),
+                               redundant_slots=1, ignore_cost_model=False, **COMMON)
+    assert dear.action == REPLICAS and dear.slots_WS.shape == (4, 3)
+    assert np.array_equal(dear.slots_WS[:, :2], current)  # no owner moved
+    assert (dear.slots_WS[:, 2] >= 0).all() and dear.new_cross < dear.old_cross
+    for rank, row in enumerate(dear.slots_WS):  # a spare copy never repeats an expert on its rank
+        assert len(set(row.tolist())) == 3, (rank, row)
+
+
+def test_fill_spares_keeps_owners_and_balances_copies() -> None:
+    owner_WP = np.array([[0, 1], [2, 3]])
+    load_NE = np.array([[10.0, 1.0, 1.0, 1.0, 0.0, 0.0]])
+    extra_NE = np.array([[False, False, False, False, True, False]])  # one cross-node copy: expert 4
+    slots = fill_spares(owner_WP, load_NE, extra_NE, gpus_per_node=2, redundant_slots=1)
+    assert np.array_equal(slots[:, :2], owner_WP)
+    # the copy of 4 takes one spare slot; the other goes to the hottest expert (0), on the other rank
+    assert sorted(slots[:, 2].tolist()) == [0, 4] and slots[1, 2] == 0
 
 
 def test_one_migration_formula() -> None:
