@@ -112,19 +112,27 @@ def plan_gpus(
         extras = np.nonzero(extra_NE[n] & (node_of_E != n))[0]
         if extras.size > G * R:
             raise ValueError(f"node {n} has {extras.size} replicas but only {G * R} spare slots")
-        ids = np.concatenate([owners, extras])
-        load = load_NE[n, ids]
-        spare_left = G * R - extras.size
-        # Step 1: replicas of the node's hottest experts in the free spare slots (at most G copies each).
-        copies = replicate_hot(load, spare_left) if (fill_hot and spare_left) else np.ones(ids.size, np.int64)
-        copies = np.minimum(copies, G)
-        per_copy = load / copies
+        ids, per_copy, spare_ids, spare_load = _node_copies(owners, extras, load_NE[n], G, R, fill_hot)
         is_owner = np.arange(ids.size) < owners.size
-        # Step 2: owners keep one copy in owner slots; every other copy goes to a spare slot.
-        spare_ids = np.concatenate([np.repeat(ids, copies - 1) if ids.size else ids, ids[~is_owner]])
-        spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
         slots_WS[n * G : (n + 1) * G] = pack_node(per_copy[is_owner], ids[is_owner], spare_load, spare_ids, G, R)
     return slots_WS
+
+
+def _node_copies(owners: np.ndarray, extras: np.ndarray, load_E: np.ndarray, G: int, R: int, fill_hot: bool
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One node's items (`ids`: owners, then cross-node replicas), their load per copy, and what goes into spare
+    slots (ids and loads per copy): the replicas, plus (`fill_hot`) extra copies of the node's hottest experts
+    in the spare slots left (at most G copies each); owners keep one copy in their owner slots."""
+    ids = np.concatenate([owners, extras])
+    load = load_E[ids]
+    left = G * R - extras.size
+    copies = replicate_hot(load, left) if (fill_hot and left) else np.ones(ids.size, np.int64)
+    copies = np.minimum(copies, G)
+    per_copy = load / copies
+    is_owner = np.arange(ids.size) < owners.size
+    spare_ids = np.concatenate([np.repeat(ids, copies - 1) if ids.size else ids, ids[~is_owner]])
+    spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
+    return ids, per_copy, spare_ids, spare_load
 
 
 def max_over_mean(load: np.ndarray) -> float:
@@ -252,16 +260,8 @@ def fill_spares(owner_WP: np.ndarray, load_NE: np.ndarray, extra_NE: np.ndarray,
         owners = owners[owners >= 0]
         extras = np.nonzero(extra_NE[n])[0]
         extras = extras[~np.isin(extras, owners)][: G * R]
-        ids = np.concatenate([owners, extras])
-        load = load_NE[n, ids]
-        left = G * R - extras.size
-        copies = replicate_hot(load, left) if (fill_hot and left) else np.ones(ids.size, np.int64)
-        copies = np.minimum(copies, G)
-        per_copy = load / copies
+        ids, per_copy, spare_ids, spare_load = _node_copies(owners, extras, load_NE[n], G, R, fill_hot)
         gpu_load = np.array([per_copy[np.isin(ids, owner_WP[n * G + g])].sum() for g in range(G)])
-        is_owner = np.arange(ids.size) < owners.size
-        spare_ids = np.concatenate([np.repeat(ids, copies - 1), ids[~is_owner]])
-        spare_load = np.concatenate([np.repeat(per_copy, copies - 1), per_copy[~is_owner]])
         free = np.full(G, R)
         for i in np.lexsort((spare_ids, -spare_load)):
             e = spare_ids[i]
