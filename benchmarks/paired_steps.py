@@ -110,15 +110,21 @@ def main(argv: list[str] | None = None) -> None:
     schedules = {v: [core.schedule for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     models = {v: [core.schedule_model for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     means = {v: statistics.fmean(t) for v, t in times.items()}  # every step, trials and warm-up included
+    migrations = {v: [(m.step, m.ok, len(m.moved)) for m in getattr(engines[v], "cobalt_migrations", [])]
+                  for v in args.variants if v != "deepspeed"}
     result = {"medians_s": medians, "means_all_steps_s": means, "schedule_models": models, "tokens_per_step": tokens,
               "speedup_vs_deepspeed": {v: ref / m for v, m in medians.items()} if ref else {},
-              "schedules": schedules, "step_times_s": times, "losses": losses, "args": vars(args)}
+              "schedules": schedules, "migrations": migrations, "step_times_s": times, "losses": losses,
+              "args": vars(args)}
     if rank == 0:
         print(f"paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step (slowest rank)")
         for v, m in medians.items():
             extra = f"  vs DeepSpeed {ref / m:.3f}" if ref else ""
             print(f"  {v:>14}: {m * 1e3:8.2f} ms  {tokens / m:8.0f} tokens/s{extra}  {schedules.get(v, '')}"
                   f"  (mean of all steps {means[v] * 1e3:.2f} ms)")
+        for v, moves in migrations.items():
+            if moves:
+                print(f"  {v} migrations (after step, committed, experts moved): {moves}")
         for v, per_layer in models.items():
             for i, model in enumerate(per_layer):
                 if model:

@@ -43,8 +43,13 @@ class TraceConfig(_Section):
     start_step: int = Field(default=0, ge=0)
 
 
+FIRST_REPLAN_STEP = 20  # default first re-plan: 20 steps of statistics (tens of thousands of routed tokens)
+
+
 class PlannerConfig(_Section):
-    """Online stage-1 replanning: every `replan_interval` optimizer steps (0 = off) plan a layout with
+    """Online stage-1 replanning: after step `first_replan_step` (default min(20, replan_interval): the layout
+    improves as soon as the statistics are representative, not a full interval in) and then every
+    `replan_interval` optimizer steps (0 = off) plan a layout with
     `policy` from the routing statistics of the last interval (summed over ranks; each rank contributes at
     most `sample_tokens` recent top-k rows per layer); each rank plans its share of the layers (layer i on
     rank i % world size) in a `worker` process at a lower CPU priority (`"thread"`: a thread of the training
@@ -58,6 +63,7 @@ class PlannerConfig(_Section):
     change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree)."""
 
     replan_interval: int = Field(default=50, ge=0)
+    first_replan_step: int | None = Field(default=None, ge=1)
     policy: str = "cobalt"
     redundant_slots: int = Field(default=1, ge=0)
     apply_lag: int | None = Field(default=None, ge=0)
@@ -80,7 +86,21 @@ class PlannerConfig(_Section):
     def _lag_within_interval(self) -> "PlannerConfig":
         if self.replan_interval and self.apply_lag is not None and self.apply_lag > self.replan_interval:
             raise ValueError(f"apply_lag={self.apply_lag} exceeds replan_interval={self.replan_interval}")
+        if self.replan_interval and self.first_replan_step is not None:
+            if self.first_replan_step > self.replan_interval:
+                raise ValueError(f"first_replan_step={self.first_replan_step} exceeds replan_interval="
+                                 f"{self.replan_interval}")
+            if self.first_replan_step < self.effective_apply_lag:
+                raise ValueError(f"first_replan_step={self.first_replan_step} is below apply_lag="
+                                 f"{self.effective_apply_lag}")
         return self
+
+    @property
+    def effective_first_replan_step(self) -> int:
+        """The step after which the first re-plan runs (later ones at multiples of `replan_interval`)."""
+        if self.first_replan_step is not None:
+            return self.first_replan_step
+        return min(FIRST_REPLAN_STEP, self.replan_interval)
 
     @property
     def effective_apply_lag(self) -> int:

@@ -5,7 +5,8 @@ B sample rows per rank and layer, R world ranks.
 
 Timeline (every rank runs the same hook after each optimizer step, so decisions line up without extra
 per-step collectives):
-- after step s with s % replan_interval == 0: one all_reduce (sum) of every layer's load, co-activation,
+- after step s with s == first_replan_step or s % replan_interval == 0 (`is_plan_step`): one all_reduce (sum)
+  of every layer's load, co-activation,
   token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
   to its planner worker process (`plan_workers.py`), which runs at a lower CPU priority.
 - after step s + apply_lag: each rank waits at most `plan_timeout_s` for its worker; one all_reduce (sum)
@@ -59,6 +60,7 @@ class Replanner:
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
+        self._first = self.cfg.effective_first_replan_step
         self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
         if not self.layers:
             return
@@ -84,6 +86,23 @@ class Replanner:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._mine = list(range(rank, len(self.layers), world))  # this rank's share of the layers
 
+    def is_plan_step(self, step: int) -> bool:
+        """Whether a re-plan starts after optimizer step `step` (a function of the step alone, so a resumed
+        run plans at the same steps)."""
+        return step > 0 and (step == self._first or step % self._interval == 0)
+
+    def _next_plan_step(self, step: int) -> int:
+        """The first plan step at or after `step`."""
+        multiple = max(1, -(-step // self._interval)) * self._interval
+        return self._first if step <= self._first < multiple else multiple
+
+    def _steps_since_last_plan(self, step: int) -> int:
+        """Optimizer steps whose statistics a re-plan after `step` sums (since the previous plan step)."""
+        previous = (step - 1) // self._interval * self._interval
+        if previous < self._first < step:
+            previous = self._first
+        return max(1, step - previous)
+
     def _all_dense(self) -> bool:
         """Every layer settled on the dense schedule, which re-plans leave out (unless the cost model is off)."""
         return not self.mig.ignore_cost_model and all(layer.settled_dense for layer in self.layers)
@@ -105,17 +124,17 @@ class Replanner:
         step = int(engine.global_steps)
         if self._apply_at is None and self._all_dense():
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
-            if step % self._interval == 0:
+            if self.is_plan_step(step):
                 self.dense_skips.append(step)
                 if len(self.dense_skips) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
                     logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
                                 "independent of the layout); re-plans are skipped while they do")
             return
-        if step % self._interval >= self._interval - min(self._interval, WORKER_LEAD_STEPS):
+        if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS):
             self._ensure_planner()  # a few steps early: its imports and kernels load meanwhile (~2 s)
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)
-        if step % self._interval == 0:
+        if self.is_plan_step(step):
             self._start(engine, step)
             if self.cfg.effective_apply_lag == 0:
                 self._apply(engine)
@@ -176,7 +195,7 @@ class Replanner:
             return
         t0 = time.perf_counter()
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
-                   [stats[i].tokens / self._interval / ep_groups for i in mine], params)
+                   [stats[i].tokens / self._steps_since_last_plan(step) / ep_groups for i in mine], params)
         self._submit(request)
         self._start_s["submit_s"] = time.perf_counter() - t0
 

@@ -273,4 +273,11 @@ def fill_spares(owner_WP: np.ndarray, load_NE: np.ndarray, extra_NE: np.ndarray,
             slots_WS[n * G + g, P + R - free[g]] = e
             free[g] -= 1
             gpu_load[g] += spare_load[i]
+        # slots no planned copy could take (every candidate already on that GPU): the hottest expert it lacks
+        hot_first = ids[np.lexsort((ids, -load_NE[n, ids]))]
+        for g in np.nonzero(free > 0)[0]:
+            row = slots_WS[n * G + g]
+            for e in hot_first[~np.isin(hot_first, row)][: free[g]]:
+                row[P + R - free[g]] = e
+                free[g] -= 1
     return slots_WS

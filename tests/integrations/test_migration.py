@@ -471,6 +471,12 @@ def test_planner_config_validation() -> None:
     with pytest.raises(ValueError, match=r"cobalt\.planner\.policy: .*unknown policy 'nope'"):
         parse_cobalt_config({"planner": {"policy": "nope"}})
     assert parse_cobalt_config({"planner": {"replan_interval": 2}}).planner.effective_apply_lag == 2
+    assert parse_cobalt_config({}).planner.effective_first_replan_step == 20
+    assert parse_cobalt_config({"planner": {"replan_interval": 8}}).planner.effective_first_replan_step == 8
+    with pytest.raises(ValueError, match=r"first_replan_step=60 exceeds replan_interval=50"):
+        parse_cobalt_config({"planner": {"first_replan_step": 60}})
+    with pytest.raises(ValueError, match=r"first_replan_step=2 is below apply_lag=5"):
+        parse_cobalt_config({"planner": {"first_replan_step": 2}})
     with pytest.raises(ValueError, match=r"apply_lag=5 exceeds replan_interval=2"):
         parse_cobalt_config({"planner": {"replan_interval": 2, "apply_lag": 5}})
     with pytest.raises(ValueError, match=r"cobalt\.migration\.speed: unknown key"):
