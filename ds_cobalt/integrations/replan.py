@@ -62,6 +62,7 @@ class Replanner:
         self._interval = self.cfg.replan_interval
         self._first = self.cfg.effective_first_replan_step
         self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
+        self.stats_since_step = 0  # the step after which the layers' routing statistics were last read and reset
         if not self.layers:
             return
         for layer in self.layers:
@@ -177,6 +178,7 @@ class Replanner:
     def _start(self, engine: Any, step: int) -> None:
         t0 = time.perf_counter()
         stats = self._gather()
+        self.stats_since_step = step  # the statistics now count from here
         self._start_s = {"planned_after_step": step, "gather_s": time.perf_counter() - t0}
         self._apply_at = step + self.cfg.effective_apply_lag
         world = dist.get_world_size() if dist.is_initialized() else 1
