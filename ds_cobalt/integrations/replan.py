@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -54,6 +55,7 @@ class Replanner:
         self.mig = cobalt.migration
         self._planner: LayerPlanner | None = None
         self._submit_error: str | None = None
+        self._start_error: str | None = None  # why this rank's planner did not start (None: it did or was not due)
         self._pending: tuple | None = None  # this rank's request in flight (kept for checkpoints)
         self._skipped: list[int] = []  # layers left out of the plan in flight (dense schedule)
         self._start_s: dict[str, float] = {}  # the last `_start`: its step, this rank's gather and submit seconds
@@ -108,10 +110,24 @@ class Replanner:
         """Every layer settled on the dense schedule, which re-plans leave out (unless the cost model is off)."""
         return not self.mig.ignore_cost_model and all(layer.settled_dense for layer in self.layers)
 
+    def _schedules_chosen(self) -> bool:
+        """Every layer has its schedule for the current layout (`auto`'s trials are over)."""
+        return all(layer.schedule is not None for layer in self.layers)
+
     def _ensure_planner(self) -> None:
-        """Start this rank's planner (a rank with no layer to plan starts none)."""
-        if self._planner is None and self._mine:
+        """Start this rank's planner (a rank with no layer to plan starts none). A start that fails (the OS
+        refusing a process, say) is logged once and tried again at the next call; a re-plan without a planner
+        reports the error from `_apply`, so every rank still runs the same collectives."""
+        if self._planner is not None or not self._mine:
+            return
+        try:
             self._planner = make_planner(self.cfg.worker, self.cfg.policy, logger.warning)
+            self._start_error = None
+        except Exception as e:  # noqa: BLE001 - no planner this interval; the layers keep their layout
+            error = f"the planner worker did not start: {type(e).__name__}: {e}"
+            if error != self._start_error:
+                logger.warning(f"ds_cobalt: {error} (tried again before the next re-plan)")
+            self._start_error = error
 
     def close(self) -> None:
         """Stop the planner worker (the engine's `destroy`; a worker also dies with its rank)."""
@@ -127,12 +143,17 @@ class Replanner:
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
             if self.is_plan_step(step):
                 self.dense_skips.append(step)
+                for layer in self.layers:  # the next re-plan sums the steps since this one, as after a plan
+                    layer.stats.reset()
+                self.stats_since_step = step
                 if len(self.dense_skips) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
                     logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
                                 "independent of the layout); re-plans are skipped while they do")
             return
-        if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS):
-            self._ensure_planner()  # a few steps early: its imports and kernels load meanwhile (~2 s)
+        if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS) and self._schedules_chosen():
+            # a few steps early, its imports and kernels load meanwhile (~2 s of CPU); not while `auto` still times
+            # the schedules, whose trials it would skew, and never for a job whose layers all settle on dense
+            self._ensure_planner()
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)
         if self.is_plan_step(step):
@@ -193,7 +214,8 @@ class Replanner:
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
                   "ignore_cost_model": self.mig.ignore_cost_model, "link": asdict(self.link)}
         self._ensure_planner()
-        if self._planner is None:  # no layer of this rank to plan
+        if self._planner is None:  # no layer of this rank to plan, or its planner did not start
+            self._submit_error = self._start_error
             return
         t0 = time.perf_counter()
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
@@ -225,7 +247,11 @@ class Replanner:
         t0 = time.perf_counter()
         decisions, seconds, error = {}, 0.0, self._submit_error
         if self._planner is not None and error is None:
-            decisions, seconds, error = self._planner.collect(self.cfg.plan_timeout_s)
+            try:
+                decisions, seconds, error = self._planner.collect(self.cfg.plan_timeout_s)
+            except Exception:  # noqa: BLE001 - this rank's layers keep their layout; the all_reduce still runs
+                decisions, seconds, error = {}, 0.0, traceback.format_exc()
+                self.close()  # a fresh planner at the next re-plan
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         if error is not None:
@@ -302,6 +328,9 @@ class Replanner:
         self._pending, self._skipped = None, json.loads(meta.get("skipped") or "[]")
         if meta.get("pending") and self._mine:
             self._ensure_planner()
+            if self._planner is None:
+                self._submit_error = self._start_error
+                return
             ids = json.loads(meta["pending_layers"])
             t = {name: value.numpy() for name, value in tensors.items() if name.startswith("pending.")}
             stats = [LayerStats(t[f"pending.{i}.load_E"], t[f"pending.{i}.coact_EE"], int(t[f"pending.{i}.tokens"][0]),

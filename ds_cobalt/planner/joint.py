@@ -19,16 +19,29 @@ import numpy as np
 from .replicas import ReplicaPartitionState
 from .stage1 import refine_swaps
 
-__all__ = ["node_load_model", "refine_joint", "improve_copies"]
+__all__ = ["node_load_model", "refine_joint", "improve_copies", "swap_owners"]
 
 _EPS = 1e-9
 
 
+def _load_split(load_E: np.ndarray, copies_NE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The node load model: `[E]` load left to each owner, `load_E (1 - copies / N)`, and `[N]` load its
+    copies serve on each node, `load_E / N` per copy."""
+    N = copies_NE.shape[0]
+    return load_E * (1.0 - copies_NE.sum(axis=0) / N), copies_NE @ (load_E / N)
+
+
 def node_load_model(load_E: np.ndarray, node_of_E: np.ndarray, copies_NE: np.ndarray) -> np.ndarray:
     """`[N]` modelled node load: owners `load_E (1 - copies / N)`, each copy `load_E / N`."""
-    N = copies_NE.shape[0]
-    owner_load_E = load_E * (1.0 - copies_NE.sum(axis=0) / N)
-    return np.bincount(node_of_E, weights=owner_load_E, minlength=N) + copies_NE @ (load_E / N)
+    owner_load_E, copy_load_N = _load_split(load_E, copies_NE)
+    return np.bincount(node_of_E, weights=owner_load_E, minlength=copies_NE.shape[0]) + copy_load_N
+
+
+def swap_owners(state: ReplicaPartitionState, load_E: np.ndarray, bound: float) -> None:
+    """Stage 1's owner swaps (`refine_swaps`) in place, the state's copies counted local, node loads in the
+    node load model within `bound` (or the starting maximum)."""
+    owner_load_E, copy_load_N = _load_split(load_E, state.copies_NE())
+    refine_swaps(state, owner_load_E, bound, candidates=64, base_load_N=copy_load_N, repair_checks=16)
 
 
 def _load_ok(load_N: np.ndarray, delta: dict[int, float], bound: float) -> bool:
@@ -114,9 +127,7 @@ def refine_joint(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, n
     for _ in range(rounds):
         # Step 1: owner swaps with the current copies counted as local.
         before = state.node_of_E.copy()
-        copies = state.copies_NE()
-        refine_swaps(state, load_E * (1.0 - copies.sum(axis=0) / N), bound, candidates=64,
-                     base_load_N=copies @ (load_E / N), repair_checks=16)
+        swap_owners(state, load_E, bound)
         moved = not np.array_equal(before, state.node_of_E)
         _drop_owned_copies(state)
         # Step 2: copy moves on every node for the new owners (fixed copies on a new owner node fall away).

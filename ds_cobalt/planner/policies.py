@@ -16,7 +16,7 @@ import numpy as np
 
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
-from .joint import refine_joint
+from .joint import refine_joint, swap_owners
 from .layout import Layout, canonical_owner_order
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, _traffic_order_sets
@@ -335,11 +335,8 @@ def refine_owners(sets_MK: np.ndarray, count_M: np.ndarray, load_E: np.ndarray, 
     """
     N = copies_NE.shape[0]
     copies_NE = copies_NE & (node_of_E[None, :] != np.arange(N)[:, None])
-    owner_load_E = load_E * (1.0 - copies_NE.sum(axis=0) / N)
-    base_load_N = copies_NE @ (load_E / N)
     state = ReplicaPartitionState(sets_MK, count_M, node_of_E, copies_NE)
-    bound = (1 + load_tolerance) * load_E.sum() / N
-    refine_swaps(state, owner_load_E, bound, candidates=64, base_load_N=base_load_N, repair_checks=16)
+    swap_owners(state, load_E, (1 + load_tolerance) * load_E.sum() / N)
     return state.node_of_E
 
 

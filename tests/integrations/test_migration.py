@@ -374,6 +374,7 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
     import time
     from pathlib import Path
 
+    from ds_cobalt.integrations import replan as replan_module
     from ds_cobalt.integrations.replan import Replanner
 
     def worker_pid(engine) -> int | None:  # ranks 2 and 3 plan no layer (2 layers), so they start no worker
@@ -391,13 +392,25 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
     os.environ["DS_COBALT_TEST_SLOW_RANK"] = "1"
     forced = {"planner": {"replan_interval": 4, "policy": "test_slow_shuffle", "apply_lag": 2, "redundant_slots": 1},
               "migration": {"ignore_cost_model": True}}
-    for fault, planner in (("killed", {}), ("overran", {"plan_timeout_s": 1.0})):
+    # "refused": rank 1 cannot start its worker (the OS refuses the process) until after step 4.
+    real_make_planner = replan_module.make_planner
+    live: dict[str, Any] = {}
+
+    def refusing_make_planner(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1 and live["engine"].global_steps <= 4:
+            raise OSError(11, "Resource temporarily unavailable (test)")
+        return real_make_planner(*args, **kwargs)
+
+    for fault, planner in (("killed", {}), ("overran", {"plan_timeout_s": 1.0}), ("refused", {})):
         mark = Path(tmp) / fault
         os.environ["DS_COBALT_TEST_SLOW_MARK"] = str(mark)
+        if fault == "refused":  # no sleeping plan: rank 1's worker only starts after the first plan step
+            del os.environ["DS_COBALT_TEST_SLOW_MARK"]
         import slow_policy  # noqa: F401 - registers test_slow_shuffle here too (the config checks the name)
 
         cfg = {**forced, "planner": {**forced["planner"], **planner}}
-        engine = build_engine("cobalt", 1, cobalt=cfg, extra=monitor)
+        replan_module.make_planner = refusing_make_planner if fault == "refused" else real_make_planner
+        engine = live["engine"] = build_engine("cobalt", 1, cobalt=cfg, extra=monitor)
         pids: list[int | None] = []
 
         def kill_mid_plan(step: int, fault: str = fault, mark: Path = mark, pids: list = pids,
@@ -414,7 +427,10 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
         out[f"{fault}_migrations"] = [(m.step, m.ok, m.reason, sorted({mv[0] for mv in m.moved}))
                                       for m in engine.cobalt_migrations]
         out[f"{fault}_respawned"] = worker_pid(engine) != pids[0]
+        (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+        out[f"{fault}_planned"] = [(h["step"], h["planned"]) for h in hook.history]
         engine.destroy()
+    replan_module.make_planner = real_make_planner
     costed = {"planner": {"replan_interval": 4, "policy": "cobalt", "apply_lag": 0}}
     engine = build_engine("cobalt", 1, cobalt={**costed, "transport": {"schedule": "hierarchical"}})
     out["costed"], layouts = _train_with_layouts(engine, steps)
@@ -435,9 +451,9 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
 def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_path) -> None:
     res = run_ranks(_replan, 4, str(tmp_path), ranks_per_node=2, timeout=240)
     for r in res:
-        for run in ("killed", "overran", "costed"):
+        for run in ("killed", "overran", "refused", "costed"):
             np.testing.assert_allclose(r[run], r["plain"], rtol=1e-5, atol=1e-6)
-        for fault in ("killed", "overran"):
+        for fault in ("killed", "overran", "refused"):
             # planned after steps 4 and 8, applied 2 steps later; at step 6 layer 1 (rank 1's worker failed)
             # keeps its layout on every rank, and it is planned again (new worker) for step 10
             assert r[f"{fault}_migrations"] == [(6, True, "replan:test_slow_shuffle", [0]),
@@ -445,8 +461,10 @@ def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_
             layouts = r[f"{fault}_layouts"]
             assert np.array_equal(layouts[6][1][:, :2], layouts[0][1][:, :2])  # after step 7: layer 1's owners
             assert not np.array_equal(layouts[10][1][:, :2], layouts[0][1][:, :2])
-            assert r[f"{fault}_respawned"] == (r is res[1])
-    for key in ("killed_layouts", "overran_layouts"):
+            assert r[f"{fault}_planned"] == [(6, 1), (10, 2)]  # layer 1 missing at step 6 on every rank
+            if fault != "refused":
+                assert r[f"{fault}_respawned"] == (r is res[1])
+    for key in ("killed_layouts", "overran_layouts", "refused_layouts"):
         for step in range(12):
             for layer in range(LAYERS):
                 assert all(np.array_equal(r[key][step][layer], res[0][key][step][layer]) for r in res)
