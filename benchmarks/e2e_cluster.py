@@ -1,7 +1,7 @@
 """End-to-end comparison on the emulated 2 x 2 cluster: DeepSpeed's MoE vs ds_cobalt, back to back.
 
     sudo python benchmarks/e2e_cluster.py [--rates loopback 10gbit 1gbit 100mbit] [--models default fine-grained]
-                                          [--steps 60] [--out runs/e2e]
+                                          [--steps 60] [--repeats 1] [--out runs/e2e]
 
 Models (examples/train_moe.py arguments):
   default        8 experts, top-2, d_ff 128 (the example's defaults before it became fine-grained)
@@ -26,6 +26,9 @@ tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/me
 largest loss difference to (a); writes `OUT/summary.json`, `OUT/summary.md` and the plots of
 `ds-cobalt report OUT` (`OUT/report/index.html`: throughput and bytes per step, co-activation heatmaps).
 `ds-cobalt calibrate --compare OUT` compares the measured step-time ratios with the simulator.
+`--repeats N` runs every variant N times per rate, back to back and in alternating order (repeats after the first
+under `OUT/repeats/<k>/`); the ratio to DeepSpeed is then the median of the N ratios of runs made side by side,
+which a shared, noisy machine needs (single runs of the same job vary by 20% or more there).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +95,17 @@ def variant_config(base: dict, variant: str, rate: str) -> dict:
     return config
 
 
-def summarize(out: Path, rates: list[str], variants: list[str]) -> dict:
+def run_dir(out_model: Path, rate: str, variant: str, repeat: int = 0) -> Path:
+    """A run's folder: `<rate>-<variant>/` for the first repeat (what `ds-cobalt report` and `calibrate --compare`
+    read), `repeats/<k>/<rate>-<variant>/` for the others."""
+    name = f"{rate}-{variant}"
+    return out_model / name if repeat == 0 else out_model / "repeats" / str(repeat) / name
+
+
+def summarize(out: Path, rates: list[str], variants: list[str], repeats: int = 1) -> dict:
+    """One row per (rate, variant): the first repeat's figures; `vs DeepSpeed` is the median over repeats of
+    the ratio to DeepSpeed's run of the same repeat (runs of one repeat are back to back, so slow drifts of a
+    shared machine cancel), with every repeat's ratio listed."""
     rows = []
     for rate in rates:
         base = _metrics(out / f"{rate}-deepspeed")
@@ -100,10 +114,16 @@ def summarize(out: Path, rates: list[str], variants: list[str]) -> dict:
             if m is None:
                 rows.append({"rate": rate, "variant": variant, "failed": True})
                 continue
+            ratios = []
+            for k in range(repeats):
+                a, b = _metrics(run_dir(out, rate, variant, k)), _metrics(run_dir(out, rate, "deepspeed", k))
+                if a is not None and b is not None:
+                    ratios.append(a["tokens_per_s"] / b["tokens_per_s"])
             steps = max(1, m["steps"])
             row = {
                 "rate": rate, "variant": variant, "tokens_per_s": m["tokens_per_s"],
-                "speedup_vs_deepspeed": m["tokens_per_s"] / base["tokens_per_s"] if base else None,
+                "speedup_vs_deepspeed": statistics.median(ratios) if ratios else None,
+                "speedup_per_repeat": ratios,
                 "cross_node_bytes_per_step": m["traffic"]["inter_node_bytes"] / steps,
                 "expert_load_max_over_mean": m.get("expert_load_max_over_mean"),
                 "max_loss_diff_vs_deepspeed": (max(abs(a - b) for a, b in zip(m["losses"], base["losses"]))
@@ -120,15 +140,17 @@ def _metrics(run: Path) -> dict | None:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| rate | variant | tokens/s | vs DeepSpeed | cross-node MB/step | load max/mean | max loss diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| rate | variant | tokens/s | vs DeepSpeed | per repeat | cross-node MB/step | load max/mean | "
+             "max loss diff |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         if r.get("failed"):
-            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | |")
+            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | | |")
             continue
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        per_repeat = " ".join(f"{x:.2f}" for x in r.get("speedup_per_repeat", []))
         lines.append(f"| {r['rate']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
-                     f"{fmt(r['speedup_vs_deepspeed'], '.2f')} | {r['cross_node_bytes_per_step'] / 1e6:.2f} | "
+                     f"{fmt(r['speedup_vs_deepspeed'], '.2f')} | {per_repeat} | "
+                     f"{r['cross_node_bytes_per_step'] / 1e6:.2f} | "
                      f"{fmt(r['expert_load_max_over_mean'], '.3f')} | {fmt(r['max_loss_diff_vs_deepspeed'], '.1e')} |")
     return "\n".join(lines) + "\n"
 
@@ -141,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    choices=list(VARIANTS))
     p.add_argument("--models", nargs="+", default=["default", "fine-grained"], choices=list(MODELS))
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every variant per rate, in alternating order; the ratio is the median over repeats")
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--config", default="ds_config_templates/cpu_2nodes_x_2ranks.json")
     p.add_argument("--repo", default=str(REPO),
@@ -158,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         out_model = model_dir(out_root, model)
         for rate in args.rates:
-            for variant in args.variants:
-                failed += _run(args, base, env, out_model, model, rate, variant) != 0
-        summary = summarize(out_model, args.rates, args.variants)
+            for k in range(args.repeats):
+                for variant in (args.variants if k % 2 == 0 else args.variants[::-1]):
+                    failed += _run(args, base, env, run_dir(out_model, rate, variant, k), model, rate, variant) != 0
+        summary = summarize(out_model, args.rates, args.variants, args.repeats)
         (out_model / "summary.json").write_text(json.dumps(summary, indent=1))
         table = markdown(summary)
         (out_model / "summary.md").write_text(table)
@@ -172,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run(args, base: dict, env: dict, out_model: Path, model: str, rate: str, variant: str) -> int:
-    out = out_model / f"{rate}-{variant}"
+def _run(args, base: dict, env: dict, out: Path, model: str, rate: str, variant: str) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "ds_config.json"
     config.write_text(json.dumps(variant_config(base, variant, rate), indent=2))
@@ -183,7 +207,7 @@ def _run(args, base: dict, env: dict, out_model: Path, model: str, rate: str, va
         "--steps", str(args.steps), "--metrics-out", str(out / "metrics.json"),
         "--trace-out", str(out / "trace.npz"), *MODELS[model], *args.extra,
     ]
-    print(f"[e2e] {model} {rate} {variant}", flush=True)
+    print(f"[e2e] {model} {rate} {variant} -> {out}", flush=True)
     with open(out / "run.log", "w") as log:
         rc = subprocess.run(cmd, cwd=args.repo, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     print(f"[e2e] {model} {rate} {variant} rc={rc}", flush=True)

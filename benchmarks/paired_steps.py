@@ -23,24 +23,23 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-from moe_lm import (  # noqa: E402
+from _job import (
     MoELM,
     add_model_arguments,
     batch_for_rank,
+    initialize,
+    job_parser,
     load_corpus,
     model_config_from,
-    set_threads_from_env,
+    moe_class,
+    read_config,
+    start_job,
 )
-from train_moe import initialize, moe_class, read_config  # noqa: E402
 
 SCHEDULES = ("hierarchical", "direct", "dense", "auto")
 STATIC = "-static"  # a variant "<schedule>-static": that schedule with re-planning off (planner.replan_interval 0)
@@ -48,14 +47,11 @@ INTERVAL = "-interval"  # "<schedule>-interval": that schedule with planner.stag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
+    p = job_parser(__doc__)
     p.add_argument("--variants", nargs="+", default=["deepspeed", "hierarchical", "direct", "dense"],
                    choices=["deepspeed", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, INTERVAL))])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
-    p.add_argument("--seed", type=int, default=1234)
     add_model_arguments(p)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
@@ -63,11 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    set_threads_from_env()
-    import deepspeed
 
-    deepspeed.init_distributed(dist_backend=None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_job()
     base = read_config(args.deepspeed_config)
     cfg = model_config_from(args, world)
     engines = {}

@@ -20,39 +20,34 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-from moe_lm import (  # noqa: E402
+from _job import (
     MoELM,
     add_model_arguments,
     batch_for_rank,
+    initialize,
+    job_parser,
     load_corpus,
     model_config_from,
-    set_threads_from_env,
+    read_config,
+    start_job,
 )
-from train_moe import initialize, read_config  # noqa: E402
 
 MODES = ("off", "process", "thread")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
+    p = job_parser(__doc__)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--steps", type=int, default=80, help="steps per mode after the warm-up")
     p.add_argument("--warmup", type=int, default=20, help="steps before the first timed interval")
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--lag", type=int, default=5)
     p.add_argument("--sample-tokens", type=int, default=1024, help="cobalt.planner.sample_tokens")
-    p.add_argument("--seed", type=int, default=1234)
     add_model_arguments(p, n_layers=8, d_ff=32, num_experts=64, top_k=6)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
@@ -67,13 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not 0 < args.lag < args.interval or args.warmup % args.interval:
         raise SystemExit("need 0 < --lag < --interval and --warmup a multiple of --interval")
-    set_threads_from_env()
-    import deepspeed
 
     from ds_cobalt.integrations.replan import Replanner
 
-    deepspeed.init_distributed(dist_backend=None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_job()
     base = read_config(args.deepspeed_config)
     cfg = model_config_from(args, world)
     corpus = load_corpus(8 << 20)

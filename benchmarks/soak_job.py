@@ -18,30 +18,26 @@ import copy
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-from moe_lm import (  # noqa: E402
+from _job import (
     MoELM,
     add_model_arguments,
     batch_for_rank,
+    initialize,
+    job_parser,
     load_corpus,
     model_config_from,
-    set_threads_from_env,
+    read_config,
+    start_job,
 )
-from train_moe import initialize, read_config  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
+    p = job_parser(__doc__)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, required=True)
     p.add_argument("--migrate-every", type=int, required=True)
@@ -49,21 +45,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--log", required=True)
-    p.add_argument("--seed", type=int, default=1234)
     add_model_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    set_threads_from_env()
-    import deepspeed
 
     import ds_cobalt
     from ds_cobalt.integrations.migration import migrate, set_fault_hook
 
-    deepspeed.init_distributed(dist_backend=None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = start_job()
     config = copy.deepcopy(read_config(args.deepspeed_config))
     cobalt = config.setdefault("cobalt", {})
     cobalt["transport"] = {"schedule": "hierarchical"}  # exact resume: fixed choices (schedule, stage 2)
