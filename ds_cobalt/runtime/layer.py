@@ -57,6 +57,10 @@ HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
 # how much faster (fraction of a step) another schedule must measure to replace dense: about the spread of
 # 3-step medians on the shared test machines (paired ratios moved by +-0.03)
 DENSE_MARGIN = 0.05
+# a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
+# spread of single steps here (+-15%), so what is dropped was slower, and only the model's favourite and dense
+# are kept whatever one step measured
+SCREEN_RATIO = 1.25
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens
 _MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL = 512, 8192
@@ -214,15 +218,20 @@ class LayerCore:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
         if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
-        self._chooser = self._schedule_chooser(self._schedule_candidates())  # re-decided for every layout
+        previous = None if self._chooser is None else self._chooser.chosen
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous))  # for every layout
 
     @staticmethod
     def _schedule_chooser(candidates: list[str]) -> StepTimedChoice:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed."""
-        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN)
+        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO)
 
-    def _schedule_candidates(self, without: tuple[str, ...] = ()) -> list[str]:
+    def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
+        """The schedules `auto` chooses from. After a layout change (`previous`: the schedule chosen for the
+        layout before) only that one and dense are timed again: a new layout (placement, replicas) cuts what
+        hierarchical and direct send alike, so it rarely changes which of the two is faster, and it does not
+        change dense's traffic at all (a layer that kept dense keeps it, untimed)."""
         wanted = self.settings.transport.schedule
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
@@ -233,6 +242,8 @@ class LayerCore:
             candidates = [HIERARCHICAL, DENSE]  # one stage: direct is hierarchical
         else:
             candidates = [HIERARCHICAL, DIRECT, DENSE]
+        if previous in candidates:
+            candidates = [c for c in candidates if c in (previous, DENSE)]
         return [c for c in candidates if c not in without]
 
     def step_end(self) -> None:
@@ -261,7 +272,8 @@ class LayerCore:
 
     @property
     def schedule_timings(self) -> dict[str, float]:
-        """Median step seconds per candidate of the last `auto` decision (slowest rank), empty before one."""
+        """Median step seconds per candidate of the last `auto` decision (slowest rank; a candidate dropped after
+        the first round: its one timed step), empty before one."""
         return {} if self._chooser is None else dict(self._chooser.medians)
 
     @property
@@ -393,9 +405,9 @@ class LayerCore:
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
         if not decided and chooser.chosen is not None and self.topology.rank == 0:
-            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s; model's communication "
-                      "seconds %s, ruled out by it: %s)", chooser.chosen,
-                      {c: round(t, 5) for c, t in chooser.medians.items()},
+            _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
+                      "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,
+                      {c: round(t, 5) for c, t in chooser.medians.items()}, list(chooser.screened) or "none",
                       {c: round(t, 5) for c, t in chooser.predicted.items()}, chooser.pruned or "none")
         return schedule
 

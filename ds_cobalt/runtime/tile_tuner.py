@@ -133,13 +133,21 @@ class StepTimedChoice:
     alternate candidates `repeats` times after `warmup` steps; the lowest median wins, except that `prefer`
     (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
     its median): a close call on a noisy machine then stays with the safe candidate. Every rank of the EP group
-    walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides)."""
+    walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
+
+    With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
+    more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
+    repeats. The first candidate (the model's favourite, which also ran the warm-up) and `prefer` are never
+    dropped: a slow outlier step can then cost a speed-up, never the safe or the predicted choice."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, screen_ratio: float | None = None) -> None:
         self.repeats = repeats
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
+        self.screen_ratio = screen_ratio
+        self.screened: dict[str, float] = {}  # candidates dropped after the first round: their first trial (s)
+        self._screen_done = False
         self.medians: dict[str, float] = {}
         self.predicted: dict[str, float] = {}  # the cost model's seconds per candidate (`use_model`)
         self.pruned: list[str] = []  # candidates the model ruled out
@@ -172,9 +180,12 @@ class StepTimedChoice:
         now = self._now(device)
         if self._started is not None:  # no step_end since the last forward: time forward to forward
             self._close(now)
+        if self._screen_due():
+            self._screen(groups)
         if self._trial == len(self.trials):
             self._decide(groups)
-            return self.chosen  # type: ignore[return-value]
+        if self.chosen is not None:
+            return self.chosen
         self._started = now
         return self.trials[self._trial]
 
@@ -196,12 +207,32 @@ class StepTimedChoice:
         self._trial += 1
         self._started = None
 
+    def _screen_due(self) -> bool:
+        """The first round just ended, with more rounds to come, and screening is on."""
+        return (self.screen_ratio is not None and not self._screen_done and len(self.candidates) > 1
+                and self._trial == self.warmup + len(self.candidates) < len(self.trials))
+
+    def _screen(self, groups: EPGroups) -> None:
+        self._screen_done = True
+        first_t = torch.tensor([self.times[c][0] for c in self.candidates], dtype=torch.float64)
+        if groups.ep_group is not None:
+            dist.all_reduce(first_t, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        first = dict(zip(self.candidates, first_t.tolist()))
+        limit = self.screen_ratio * float(first_t.min())
+        protected = {self.candidates[0], self.prefer}
+        self.screened = {c: t for c, t in first.items() if c not in protected and t > limit}
+        kept = [c for c in self.candidates if c not in self.screened]
+        self.trials = self.trials[: self._trial] + [c for c in self.trials[self._trial:] if c in kept]
+        self.candidates = kept
+        if len(kept) == 1:  # decided: the first round's times (every rank's slowest) are the medians shown
+            self.medians, self.chosen = first, kept[0]
+
     def _decide(self, groups: EPGroups) -> None:
         medians = torch.tensor([float(torch.tensor(self.times[c]).median()) for c in self.candidates],
                                dtype=torch.float64)
         if groups.ep_group is not None:
             dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=groups.ep_group)
-        self.medians = dict(zip(self.candidates, medians.tolist()))
+        self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self.chosen = self.candidates[int(medians.argmin())]
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         if safe is not None and self.medians[self.chosen] > (1.0 - self.margin) * safe:

@@ -112,6 +112,11 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_dense_skips"] = list(hook.dense_skips)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
+        # a new layout (here: the same one installed again) times only the schedule kept so far and dense
+        out[f"{name}_next_candidates"] = []
+        for layer in cobalt_layers(engine):
+            layer.cobalt_core.install_layout(layer.layout_slots.copy())
+            out[f"{name}_next_candidates"].append(list(layer.cobalt_core._chooser.candidates))
         engine.destroy()
     return out
 
@@ -130,6 +135,10 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
+        for schedule, candidates in zip(out["auto_schedules"], out["auto_next_candidates"]):
+            assert candidates == {None: ["hierarchical", "direct", "dense"], "dense": ["dense"]}.get(
+                schedule, [schedule, "dense"]), (schedule, candidates)
+        assert out["hierarchical_next_candidates"] == [["hierarchical"]] * 2
         assert [h[:2] for h in out["hierarchical_history"]] == [(20, 25), (50, 55)]
         assert all(h[3] == [] for h in out["hierarchical_history"])
 

@@ -285,6 +285,58 @@ def test_step_timed_choice_keeps_the_preferred_candidate_in_a_close_call(monkeyp
     assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
 
 
+@pytest.mark.parametrize("direct_s,hierarchical_s,seen,chosen", [
+    # direct's first step is 1.5x dense's: dropped after round 1; hierarchical (the favourite) stays and loses
+    (1.5, 1.1, ["hierarchical", "hierarchical", "direct", "dense", "hierarchical", "dense", "hierarchical", "dense",
+                "dense"], "dense"),
+    # within the ratio: nothing dropped, every candidate runs its three trials
+    (1.2, 1.1, ["hierarchical", *["hierarchical", "direct", "dense"] * 3, "dense"], "dense"),
+])
+def test_step_timed_choice_drops_a_clearly_slower_candidate_after_one_round(monkeypatch, direct_s, hierarchical_s,
+                                                                            seen, chosen) -> None:
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import SCREEN_RATIO, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    assert chooser.screen_ratio == SCREEN_RATIO == 1.25
+    cost = {"hierarchical": hierarchical_s, "direct": direct_s, "dense": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    picks = []
+    while chooser.chosen is None:
+        picks.append(chooser.pick(torch.device("cpu"), groups))
+        now["t"] += cost[picks[-1]]
+    assert picks == seen and chooser.chosen == chosen
+    assert chooser.screened == ({"direct": direct_s} if direct_s > SCREEN_RATIO else {})
+    assert chooser.medians == pytest.approx(cost)
+
+
+def test_step_timed_choice_never_drops_the_favourite_or_the_preferred(monkeypatch) -> None:
+    """One slow outlier step of dense (preferred) or of the model's favourite drops neither."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = tile_tuner.StepTimedChoice(["hierarchical", "direct", "dense"], prefer="dense", screen_ratio=1.25)
+    cost = {"hierarchical": 1.0, "direct": 1.0, "dense": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    for i in range(4):
+        pick = chooser.pick(torch.device("cpu"), groups)
+        now["t"] += cost[pick] * (3.0 if i in (1, 3) else 1.0)  # hierarchical's and dense's first timed steps
+    chooser.pick(torch.device("cpu"), groups)
+    assert chooser.screened == {} and chooser.candidates == ["hierarchical", "direct", "dense"]
+    # a single remaining candidate is chosen at once; the others' first steps are shown as their timings
+    two = tile_tuner.StepTimedChoice(["hierarchical", "direct"], screen_ratio=1.25)
+    for c in ("hierarchical", "hierarchical", "direct"):
+        assert two.pick(torch.device("cpu"), groups) == c
+        now["t"] += 1.0 if c == "hierarchical" else 2.0
+    assert two.pick(torch.device("cpu"), groups) == "hierarchical" and two.chosen == "hierarchical"
+    assert two.screened == {"direct": 2.0} and two.medians == {"hierarchical": 1.0, "direct": 2.0}
+
+
 def test_step_timed_choice_follows_the_model() -> None:
     """The model's order: the best-predicted candidate takes the warm-up and the first trial; pruned ones never
     run; with everything pruned but one, it is chosen at once."""
