@@ -58,8 +58,8 @@ HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
 # 3-step medians on the shared test machines (paired ratios moved by +-0.03)
 DENSE_MARGIN = 0.05
 # a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
-# spread of single steps here (+-15%), so what is dropped was slower, and only the model's favourite and dense
-# are kept whatever one step measured
+# spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
+# step measured, and dense unless the model predicts it slower too
 SCREEN_RATIO = 1.25
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens

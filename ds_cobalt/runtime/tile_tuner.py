@@ -137,8 +137,9 @@ class StepTimedChoice:
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
-    repeats. The first candidate (the model's favourite, which also ran the warm-up) and `prefer` are never
-    dropped: a slow outlier step can then cost a speed-up, never the safe or the predicted choice."""
+    repeats. The first candidate (the model's favourite, which also ran the warm-up) is never dropped, and
+    `prefer` only where the model also predicts it slower than the fastest: a slow outlier step can then cost
+    a speed-up, not the safe choice where it is the right one."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
                  margin: float = 0.0, screen_ratio: float | None = None) -> None:
@@ -219,7 +220,10 @@ class StepTimedChoice:
             dist.all_reduce(first_t, op=dist.ReduceOp.MAX, group=groups.ep_group)
         first = dict(zip(self.candidates, first_t.tolist()))
         limit = self.screen_ratio * float(first_t.min())
-        protected = {self.candidates[0], self.prefer}
+        fastest = self.candidates[int(first_t.argmin())]
+        protected = {self.candidates[0]}
+        if not self.predicted or self.predicted.get(self.prefer, 0.0) <= self.predicted.get(fastest, 0.0):
+            protected.add(self.prefer)  # dropped only where the model, too, predicts it slower than the fastest
         self.screened = {c: t for c, t in first.items() if c not in protected and t > limit}
         kept = [c for c in self.candidates if c not in self.screened]
         self.trials = self.trials[: self._trial] + [c for c in self.trials[self._trial:] if c in kept]

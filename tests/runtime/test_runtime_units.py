@@ -335,6 +335,16 @@ def test_step_timed_choice_never_drops_the_favourite_or_the_preferred(monkeypatc
         now["t"] += 1.0 if c == "hierarchical" else 2.0
     assert two.pick(torch.device("cpu"), groups) == "hierarchical" and two.chosen == "hierarchical"
     assert two.screened == {"direct": 2.0} and two.medians == {"hierarchical": 1.0, "direct": 2.0}
+    # dense goes too where the model also predicts it slower (a slow link: its padded blocks cost more)
+    for dense_predicted, dropped in ((3.0, True), (0.5, False)):
+        slow_link = tile_tuner.StepTimedChoice(["hierarchical", "dense"], prefer="dense", screen_ratio=1.25)
+        slow_link.use_model({"hierarchical": 1.0, "dense": dense_predicted}, [])
+        first = slow_link.candidates[0]
+        for c in (first, *slow_link.candidates):
+            assert slow_link.pick(torch.device("cpu"), groups) == c
+            now["t"] += 1.0 if c == "hierarchical" else 2.0
+        slow_link.pick(torch.device("cpu"), groups)
+        assert (slow_link.chosen == "hierarchical") == dropped and bool(slow_link.screened) == dropped
 
 
 def test_step_timed_choice_follows_the_model() -> None:
