@@ -1,7 +1,7 @@
 """Where a rank plans its share of the layers: a worker process (default) or a thread.
 
-`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (started with the engine, so its
-imports and the numba kernels load while training warms up), hands it a request file per re-plan and reads
+`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (started a few steps before the first
+re-plan, so its imports and the numba kernels load meanwhile), hands it a request file per re-plan and reads
 the decisions back. A worker that dies or runs past the deadline is stopped and started again at the next
 re-plan; `collect` then reports the error and returns no decisions, so the caller keeps those layers as they
 are. `ThreadPlanner` runs the same pure function in a thread of the training process (for a policy the worker
@@ -147,7 +147,7 @@ class ProcessPlanner:
             return "timeout"
 
     def _wait_ready(self, deadline: float) -> None:
-        """Block until the worker said it is ready (it was started with the engine, so usually it has)."""
+        """Block until the worker said it is ready (started steps before the re-plan, it usually has)."""
         while not self._ready:
             msg = self._next(deadline)
             if msg == "timeout" or msg is None:
