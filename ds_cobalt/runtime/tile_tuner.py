@@ -208,6 +208,14 @@ class StepTimedChoice:
         self._trial += 1
         self._started = None
 
+    @staticmethod
+    def _slowest_rank(seconds: list[float], groups: EPGroups) -> torch.Tensor:
+        """`seconds` per candidate as the slowest rank of the EP group measured them (one all-reduce, MAX)."""
+        out = torch.tensor(seconds, dtype=torch.float64)
+        if groups.ep_group is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        return out
+
     def _screen_due(self) -> bool:
         """The first round just ended, with more rounds to come, and screening is on."""
         return (self.screen_ratio is not None and not self._screen_done and len(self.candidates) > 1
@@ -215,9 +223,7 @@ class StepTimedChoice:
 
     def _screen(self, groups: EPGroups) -> None:
         self._screen_done = True
-        first_t = torch.tensor([self.times[c][0] for c in self.candidates], dtype=torch.float64)
-        if groups.ep_group is not None:
-            dist.all_reduce(first_t, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        first_t = self._slowest_rank([self.times[c][0] for c in self.candidates], groups)
         first = dict(zip(self.candidates, first_t.tolist()))
         limit = self.screen_ratio * float(first_t.min())
         fastest = self.candidates[int(first_t.argmin())]
@@ -232,10 +238,7 @@ class StepTimedChoice:
             self.medians, self.chosen = first, kept[0]
 
     def _decide(self, groups: EPGroups) -> None:
-        medians = torch.tensor([float(torch.tensor(self.times[c]).median()) for c in self.candidates],
-                               dtype=torch.float64)
-        if groups.ep_group is not None:
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        medians = self._slowest_rank([float(torch.tensor(self.times[c]).median()) for c in self.candidates], groups)
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self.chosen = self.candidates[int(medians.argmin())]
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
