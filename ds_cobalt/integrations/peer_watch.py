@@ -11,10 +11,17 @@ logged as `ds_cobalt: rank R (local rank L, pid P) on HOST died (killed by SIGKI
 deaths after it are mostly the launcher stopping the rest and are not logged, nor are clean exits. An uncaught
 exception checks once more before the traceback. Ranks on other hosts are not checked (their host's ranks
 report them). Linux only (`/proc`); elsewhere nothing is watched.
+
+`install` also destroys the process groups at a clean interpreter exit (an `atexit` handler; a script that calls
+`destroy_process_group` itself is left alone). Without it gloo can abort the exiting rank with "terminate called
+without an active exception" (SIGABRT, exit status 250 through DeepSpeed's launcher): its worker threads still
+hold finished work whose tensors are freed while the interpreter is torn down. After an uncaught exception the
+groups are left as they are, since a peer that died could make waiting for pending work block.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -40,6 +47,7 @@ class Peer:
 
 _PEERS: list[Peer] = []
 _REPORTED: set[int] = set()  # ranks already logged
+_FAILED: list[str] = []  # the uncaught exception this process is exiting with, if any
 
 
 def _death(pid: int) -> str | None:
@@ -83,22 +91,30 @@ def _watch(interval_s: float) -> None:
         time.sleep(interval_s)
 
 
+def _destroy_groups_at_exit() -> None:
+    if not _FAILED and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def install(interval_s: float = 0.05) -> None:
-    """Record every rank's host and pid (collective on the world group, once), start the watcher thread and
-    hook uncaught exceptions (module docstring); the previous excepthook still runs afterwards."""
+    """Record every rank's host and pid (collective on the world group, once), start the watcher thread, hook
+    uncaught exceptions and destroy the groups at a clean exit (module docstring); the previous excepthook still
+    runs afterwards."""
     if _PEERS or not (dist.is_available() and dist.is_initialized()):
         return
     me = (int(os.environ.get("LOCAL_RANK", -1)), socket.gethostname(), os.getpid())
     table: list = [None] * dist.get_world_size()
     dist.all_gather_object(table, me)
     _PEERS.extend(Peer(rank, *entry) for rank, entry in enumerate(table))
-    if not os.path.isdir("/proc"):
-        return
-    threading.Thread(target=_watch, args=(interval_s,), name="ds_cobalt-peer-watch", daemon=True).start()
+    atexit.register(_destroy_groups_at_exit)
     previous_hook = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        _check(f"{kind.__name__}: {value}".splitlines()[0][:200])
+        _FAILED.append(kind.__name__)
+        if os.path.isdir("/proc"):
+            _check(f"{kind.__name__}: {value}".splitlines()[0][:200])
         previous_hook(kind, value, tb)
 
     sys.excepthook = excepthook
+    if os.path.isdir("/proc"):
+        threading.Thread(target=_watch, args=(interval_s,), name="ds_cobalt-peer-watch", daemon=True).start()
