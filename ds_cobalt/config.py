@@ -43,12 +43,14 @@ class TraceConfig(_Section):
     start_step: int = Field(default=0, ge=0)
 
 
-FIRST_REPLAN_STEP = 20  # default first re-plan: 20 steps of statistics (tens of thousands of routed tokens)
+FIRST_REPLAN_STEP = 12  # default first re-plan: right after `auto`'s trials (10 steps), 12 steps of statistics
 
 
 class PlannerConfig(_Section):
-    """Online stage-1 replanning: after step `first_replan_step` (default min(20, replan_interval): the layout
-    improves as soon as the statistics are representative, not a full interval in) and then every
+    """Online stage-1 replanning: after step `first_replan_step` (default min(12, replan_interval): right after
+    `auto`'s schedule trials, so the layout improves early, not a full interval in), with `early_replans` also
+    after the halvings of the interval that follow it (25 for the default 50: early in training the routing
+    drifts and a plan from a few steps of statistics goes stale), and then every
     `replan_interval` optimizer steps (0 = off) plan a layout with
     `policy` from the routing statistics of the last interval (summed over ranks; each rank contributes at
     most `sample_tokens` recent top-k rows per layer); each rank plans its share of the layers (layer i on
@@ -72,6 +74,7 @@ class PlannerConfig(_Section):
     worker: Literal["process", "thread"] = "process"
     plan_timeout_s: float = Field(default=300.0, gt=0)
     stage2: Literal["auto", "step", "interval"] = "auto"
+    early_replans: bool = True
 
     @field_validator("policy")
     @classmethod
@@ -101,6 +104,20 @@ class PlannerConfig(_Section):
         if self.first_replan_step is not None:
             return self.first_replan_step
         return min(FIRST_REPLAN_STEP, self.replan_interval)
+
+    @property
+    def early_replan_steps(self) -> tuple[int, ...]:
+        """The re-plans before the first multiple of `replan_interval`: `first_replan_step` and, with
+        `early_replans`, the halvings of the interval after it (at least `apply_lag` steps after it)."""
+        if not self.replan_interval:
+            return ()
+        first = self.effective_first_replan_step
+        steps = {first}
+        half = self.replan_interval // 2
+        while self.early_replans and half >= first + max(1, self.effective_apply_lag):
+            steps.add(half)
+            half //= 2
+        return tuple(sorted(s for s in steps if s < self.replan_interval))
 
     @property
     def effective_apply_lag(self) -> int:

@@ -1,11 +1,14 @@
 """Where a rank plans its share of the layers: a worker process (default) or a thread.
 
-`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (started a few steps before the first
-re-plan, so its imports and the numba kernels load meanwhile), hands it a request file per re-plan and reads
-the decisions back. A worker that dies or runs past the deadline is stopped and started again at the next
-re-plan; `collect` then reports the error and returns no decisions, so the caller keeps those layers as they
-are. `ThreadPlanner` runs the same pure function in a thread of the training process (for a policy the worker
-cannot import, such as one defined in `__main__`).
+`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (started once `auto`'s schedule trials
+are over, a few steps before the first re-plan, so its imports and the numba kernels load meanwhile), hands it
+a request file per re-plan and reads the decisions back. `submit` never waits: a request sent before the
+worker is ready waits in its stdin, and `collect` waits for the start (at most `start_timeout_s`), then for
+the plan. A worker that dies or runs past the deadline is stopped and started again at the next re-plan;
+`collect` then reports the error and returns no decisions, so the caller keeps those layers as they are. A
+worker that cannot import the policy raises `WorkerUnavailable` from `submit` or `collect`: the caller plans
+in a thread instead. `ThreadPlanner` runs the same pure function in a thread of the training process (for a
+policy the worker cannot import, such as one defined in `__main__`).
 """
 
 from __future__ import annotations
@@ -146,28 +149,45 @@ class ProcessPlanner:
         except queue.Empty:
             return "timeout"
 
-    def _wait_ready(self, deadline: float) -> None:
-        """Block until the worker said it is ready (started steps before the re-plan, it usually has)."""
+    def _note_ready(self, msg: dict) -> None:
+        if not msg["ready"]:
+            self._stop()
+            raise WorkerUnavailable(str(msg.get("error")))
+        self._ready = True
+
+    def _poll_ready(self) -> None:
+        """Take the worker's start-up message if it has come (never waits)."""
+        while not self._ready:
+            try:
+                msg = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None:  # gone before it was ready: left for `collect` to report, or `submit` starts another
+                self._lines.put(None)
+                return
+            if "ready" in msg:
+                self._note_ready(msg)
+
+    def _wait_ready(self, deadline: float) -> str | None:
+        """Wait until the worker said it is ready (started steps before the re-plan, it usually has); the reason
+        when it did not start (the next re-plan starts another)."""
         while not self._ready:
             msg = self._next(deadline)
             if msg == "timeout" or msg is None:
                 reason = "did not start in time" if msg else self._exit_reason()
                 self._stop()
-                self._spawn()  # one more chance at the next re-plan
-                raise TimeoutError(f"the planner worker {reason}")
+                return f"the planner worker {reason}"
             if "ready" in msg:
-                if not msg["ready"]:
-                    self._stop()
-                    raise WorkerUnavailable(str(msg.get("error")))
-                self._ready = True
+                self._note_ready(msg)
+        return None
 
     # ----- requests -----
     def submit(self, tag: str, layer_ids: list[int], stats: list[LayerStats], currents: list[np.ndarray],
                tokens_per_step: list[float], params: PlanParams) -> None:
+        self._poll_ready()
         if self._proc is None or self._proc.poll() is not None:
             self._stop()
             self._spawn()  # the retry after a worker that died or overran
-        self._wait_ready(time.monotonic() + self._start_timeout_s)
         self._request = self._dir / f"request-{tag}.npz"
         write_request(self._request, layer_ids, stats, currents, tokens_per_step, params)
         assert self._proc is not None and self._proc.stdin is not None
@@ -182,8 +202,11 @@ class ProcessPlanner:
         if request is None:
             return {}, 0.0, "no plan was submitted"
         t0 = time.monotonic()
-        deadline = t0 + timeout_s
         try:
+            not_started = self._wait_ready(t0 + self._start_timeout_s)
+            if not_started is not None:
+                return {}, time.monotonic() - t0, not_started
+            deadline = time.monotonic() + timeout_s  # the plan's own time, from the worker's start
             while True:
                 msg = self._next(deadline)
                 if msg == "timeout":

@@ -5,7 +5,8 @@ B sample rows per rank and layer, R world ranks.
 
 Timeline (every rank runs the same hook after each optimizer step, so decisions line up without extra
 per-step collectives):
-- after step s with s == first_replan_step or s % replan_interval == 0 (`is_plan_step`): one all_reduce (sum)
+- after step s in `planner.early_replan_steps` (first_replan_step, then the halvings of the interval after it)
+  or with s % replan_interval == 0 (`is_plan_step`): one all_reduce (sum)
   of every layer's load, co-activation,
   token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
   to its planner worker process (`plan_workers.py`), which runs at a lower CPU priority.
@@ -62,7 +63,7 @@ class Replanner:
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
-        self._first = self.cfg.effective_first_replan_step
+        self._early = self.cfg.early_replan_steps  # the plan steps before the first multiple of the interval
         self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
         self.stats_since_step = 0  # the step after which the layers' routing statistics were last read and reset
         if not self.layers:
@@ -92,18 +93,16 @@ class Replanner:
     def is_plan_step(self, step: int) -> bool:
         """Whether a re-plan starts after optimizer step `step` (a function of the step alone, so a resumed
         run plans at the same steps)."""
-        return step > 0 and (step == self._first or step % self._interval == 0)
+        return step > 0 and (step in self._early or step % self._interval == 0)
 
     def _next_plan_step(self, step: int) -> int:
         """The first plan step at or after `step`."""
         multiple = max(1, -(-step // self._interval)) * self._interval
-        return self._first if step <= self._first < multiple else multiple
+        return min([s for s in self._early if s >= step] + [multiple])
 
     def _steps_since_last_plan(self, step: int) -> int:
         """Optimizer steps whose statistics a re-plan after `step` sums (since the previous plan step)."""
-        previous = (step - 1) // self._interval * self._interval
-        if previous < self._first < step:
-            previous = self._first
+        previous = max([s for s in self._early if s < step] + [(step - 1) // self._interval * self._interval])
         return max(1, step - previous)
 
     def _all_dense(self) -> bool:
@@ -229,18 +228,34 @@ class Replanner:
         try:
             self._planner.submit(*request)
         except WorkerUnavailable as e:
-            logger.warning(f"ds_cobalt: the planner worker cannot plan policy {self.cfg.policy!r} ({e}); "
-                           "planning runs in a thread of each rank from now on")
-            self._planner.close()
-            self._planner = ThreadPlanner()
-            self._planner.submit(*request)
+            self._plan_in_threads(e).submit(*request)
         except Exception as e:  # noqa: BLE001 - no plan this interval; the next one tries again
             self._submit_error = f"{type(e).__name__}: {e}"
+
+    def _plan_in_threads(self, why: WorkerUnavailable) -> LayerPlanner:
+        logger.warning(f"ds_cobalt: the planner worker cannot plan policy {self.cfg.policy!r} ({why}); "
+                       "planning runs in a thread of each rank from now on")
+        if self._planner is not None:
+            self._planner.close()
+        self._planner = ThreadPlanner()
+        return self._planner
+
+    def _collect(self, request: tuple | None) -> tuple[dict[int, LayerDecision], float, str | None]:
+        """This rank's decisions for `request` (empty, with the error, where its planner failed)."""
+        assert self._planner is not None
+        try:
+            return self._planner.collect(self.cfg.plan_timeout_s)
+        except WorkerUnavailable as e:  # found out only now (`submit` does not wait for the start): plan here
+            if request is None:
+                raise
+            planner = self._plan_in_threads(e)
+            planner.submit(*request)
+            return planner.collect(self.cfg.plan_timeout_s)
 
     # ----- applying -----
     def _apply(self, engine: Any) -> None:
         """One all_reduce of every rank's share of the decisions; see the module docstring."""
-        self._apply_at, self._pending = None, None
+        request, self._apply_at, self._pending = self._pending, None, None
         L = len(self.layers)
         W = self.layers[0].topology.world_size
         S = self.layers[0].num_experts // W + self.cfg.redundant_slots
@@ -248,7 +263,7 @@ class Replanner:
         decisions, seconds, error = {}, 0.0, self._submit_error
         if self._planner is not None and error is None:
             try:
-                decisions, seconds, error = self._planner.collect(self.cfg.plan_timeout_s)
+                decisions, seconds, error = self._collect(request)
             except Exception:  # noqa: BLE001 - this rank's layers keep their layout; the all_reduce still runs
                 decisions, seconds, error = {}, 0.0, traceback.format_exc()
                 self.close()  # a fresh planner at the next re-plan

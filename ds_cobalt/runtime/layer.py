@@ -218,20 +218,25 @@ class LayerCore:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
         if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
-        previous = None if self._chooser is None else self._chooser.chosen
-        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous))  # for every layout
+        before = self._chooser
+        previous = None if before is None else before.chosen
+        # dense sends the same padded blocks on any layout: its time measured for the layout before still holds
+        known = {DENSE: before.medians[DENSE]} if previous not in (None, DENSE) and DENSE in before.medians else {}
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known)  # every layout
 
     @staticmethod
-    def _schedule_chooser(candidates: list[str]) -> StepTimedChoice:
+    def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None) -> StepTimedChoice:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
-        measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed."""
-        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO)
+        measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
+        `known`: step seconds measured before, which need no trial."""
+        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO, known=known)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule chosen for the
-        layout before) only that one and dense are timed again: a new layout (placement, replicas) cuts what
+        layout before) only that one and dense are candidates: a new layout (placement, replicas) cuts what
         hierarchical and direct send alike, so it rarely changes which of the two is faster, and it does not
-        change dense's traffic at all (a layer that kept dense keeps it, untimed)."""
+        change dense's traffic at all (a layer that kept dense keeps it, untimed; one that left it compares
+        its new times with dense's earlier ones, `install_layout`)."""
         wanted = self.settings.transport.schedule
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]

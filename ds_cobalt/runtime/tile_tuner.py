@@ -139,11 +139,17 @@ class StepTimedChoice:
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
     repeats. The first candidate (the model's favourite, which also ran the warm-up) is never dropped, and
     `prefer` only where the model also predicts it slower than the fastest: a slow outlier step can then cost
-    a speed-up, not the safe choice where it is the right one."""
+    a speed-up, not the safe choice where it is the right one.
+
+    `known` gives candidates whose step time is already measured (every rank's slowest, e.g. a schedule whose
+    traffic the change that started this choice leaves as it was): they run no trials and enter the decision
+    with that time."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
-                 margin: float = 0.0, screen_ratio: float | None = None) -> None:
+                 margin: float = 0.0, screen_ratio: float | None = None,
+                 known: dict[str, float] | None = None) -> None:
         self.repeats = repeats
+        self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
         self.screen_ratio = screen_ratio
@@ -157,15 +163,21 @@ class StepTimedChoice:
         self._set_candidates(list(candidates))
 
     def _set_candidates(self, candidates: list[str]) -> None:
-        self.candidates = candidates
-        self.trials = [candidates[0]] * self.warmup + candidates * self.repeats
-        self.times: dict[str, list[float]] = {c: [] for c in candidates}
-        self.chosen: str | None = candidates[0] if len(candidates) == 1 else None
+        """`candidates` to time (the `known` ones are left out of the trials)."""
+        self.candidates = [c for c in candidates if c not in self.known]
+        if not self.candidates:  # everything measured already
+            self.trials, self.times, self.chosen = [], {}, None
+            self._decide_known()
+            return
+        self.trials = [self.candidates[0]] * self.warmup + self.candidates * self.repeats
+        self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
+        self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 and not self.known else None
 
     @property
     def wants_model(self) -> bool:
         """True before the first trial of a choice between several candidates that no model has ordered yet."""
-        return self.chosen is None and self._trial == 0 and self._started is None and not self.predicted
+        return (self.chosen is None and self._trial == 0 and self._started is None and not self.predicted
+                and len(self.candidates) > 1)
 
     def use_model(self, predicted: dict[str, float], pruned: Sequence[str]) -> None:
         """Before the trials: leave out `pruned` and time the rest best-predicted first (it also takes the
@@ -234,13 +246,20 @@ class StepTimedChoice:
         kept = [c for c in self.candidates if c not in self.screened]
         self.trials = self.trials[: self._trial] + [c for c in self.trials[self._trial:] if c in kept]
         self.candidates = kept
-        if len(kept) == 1:  # decided: the first round's times (every rank's slowest) are the medians shown
+        if len(kept) == 1 and not self.known:  # decided: the first round's times (every rank's slowest) are shown
             self.medians, self.chosen = first, kept[0]
 
     def _decide(self, groups: EPGroups) -> None:
         medians = self._slowest_rank([float(torch.tensor(self.times[c]).median()) for c in self.candidates], groups)
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
-        self.chosen = self.candidates[int(medians.argmin())]
+        self._decide_known()
+
+    def _decide_known(self) -> None:
+        """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin`."""
+        timed = {c: t for c, t in self.medians.items() if c not in self.screened}
+        self.medians = {**self.medians, **self.known}
+        contenders = {**timed, **self.known}
+        self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         if safe is not None and self.medians[self.chosen] > (1.0 - self.margin) * safe:
             self.chosen = self.prefer

@@ -232,7 +232,7 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
                 assert 0 < t["inter_node_bytes"], t
                 if impl != "migrating":  # `auto` (default) there: dense pads to the largest count on its steps
                     assert t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_dropless"], t
-            # every (token, top-2 expert) once per layer since the last re-plan (planner.first_replan_step 20)
+            # every (token, top-2 expert) once per layer since the last re-plan (planner.first_replan_step 12)
             counted = steps - res[(family, "cobalt")]["stats_since_step"]
             assert res[(family, "cobalt")]["load"] == [counted * BATCH * SEQ * 2] * 2
             assert np.mean(ref["losses"][-3:]) < np.mean(ref["losses"][:3])  # it trained

@@ -112,11 +112,14 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_dense_skips"] = list(hook.dense_skips)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
-        # a new layout (here: the same one installed again) times only the schedule kept so far and dense
-        out[f"{name}_next_candidates"] = []
+        # a new layout (here: the same one installed again) times only the schedule kept so far, and dense
+        # unless it was timed before (its earlier time is carried over: `known`)
+        out[f"{name}_next_candidates"], out[f"{name}_timed_dense"] = [], []
         for layer in cobalt_layers(engine):
+            out[f"{name}_timed_dense"].append("dense" in layer.cobalt_core.schedule_timings)
             layer.cobalt_core.install_layout(layer.layout_slots.copy())
-            out[f"{name}_next_candidates"].append(list(layer.cobalt_core._chooser.candidates))
+            chooser = layer.cobalt_core._chooser
+            out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
         engine.destroy()
     return out
 
@@ -128,18 +131,25 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
         for name in ("auto", "hierarchical"):
             np.testing.assert_allclose(out[name], out["deepspeed"], rtol=1e-5, atol=1e-6)
             history = out[f"{name}_history"]
-            # re-plans after step 20 (planner.first_replan_step) and 50, applied 5 steps later; a layer on
-            # dense is left out, and when every layer is the re-plan is skipped (its step in dense_skips)
-            assert all((h[0], h[1]) in ((20, 25), (50, 55)) and h[2] + len(h[3]) == 2 for h in history), history
-            assert sorted([h[0] for h in history] + out[f"{name}_dense_skips"]) == [20, 50]
+            # re-plans after step 12 (planner.first_replan_step), 25 (early_replans: half the interval) and 50,
+            # applied 5 steps later; a layer on dense is left out, and when every layer is the re-plan is skipped
+            # (its step in dense_skips)
+            plans = ((12, 17), (25, 30), (50, 55))
+            assert all((h[0], h[1]) in plans and h[2] + len(h[3]) == 2 for h in history), history
+            assert sorted([h[0] for h in history] + out[f"{name}_dense_skips"]) == [12, 25, 50]
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
-        for schedule, candidates in zip(out["auto_schedules"], out["auto_next_candidates"]):
-            assert candidates == {None: ["hierarchical", "direct", "dense"], "dense": ["dense"]}.get(
-                schedule, [schedule, "dense"]), (schedule, candidates)
-        assert out["hierarchical_next_candidates"] == [["hierarchical"]] * 2
-        assert [h[:2] for h in out["hierarchical_history"]] == [(20, 25), (50, 55)]
+        for schedule, (candidates, known), timed_dense in zip(out["auto_schedules"], out["auto_next_candidates"],
+                                                              out["auto_timed_dense"]):
+            if schedule == "dense":
+                assert (candidates, known) == (["dense"], {}), (candidates, known)
+            elif timed_dense:
+                assert candidates == [schedule] and list(known) == ["dense"], (schedule, candidates, known)
+            else:
+                assert candidates == [schedule, "dense"] and not known, (schedule, candidates, known)
+        assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
+        assert [h[:2] for h in out["hierarchical_history"]] == [(12, 17), (25, 30), (50, 55)]
         assert all(h[3] == [] for h in out["hierarchical_history"])
 
 

@@ -489,7 +489,15 @@ def test_planner_config_validation() -> None:
     with pytest.raises(ValueError, match=r"cobalt\.planner\.policy: .*unknown policy 'nope'"):
         parse_cobalt_config({"planner": {"policy": "nope"}})
     assert parse_cobalt_config({"planner": {"replan_interval": 2}}).planner.effective_apply_lag == 2
-    assert parse_cobalt_config({}).planner.effective_first_replan_step == 20
+    assert parse_cobalt_config({}).planner.effective_first_replan_step == 12
+    def early(**planner) -> tuple[int, ...]:
+        return parse_cobalt_config({"planner": planner}).planner.early_replan_steps
+
+    assert early() == (12, 25)  # then 50, 100, ...
+    assert early(replan_interval=200) == (12, 25, 50, 100)
+    assert early(replan_interval=200, early_replans=False) == (12,)
+    assert early(replan_interval=30) == (12,)  # 15 comes before 12 + apply_lag
+    assert early(replan_interval=8) == ()  # first_replan_step = min(12, 8): a multiple of the interval
     assert parse_cobalt_config({"planner": {"replan_interval": 8}}).planner.effective_first_replan_step == 8
     with pytest.raises(ValueError, match=r"first_replan_step=60 exceeds replan_interval=50"):
         parse_cobalt_config({"planner": {"first_replan_step": 60}})

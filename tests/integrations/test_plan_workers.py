@@ -1,6 +1,6 @@
 """The re-planning worker process (integrations/plan_workers.py, planner/worker.py), one process, no ranks:
 same decisions as planning in-process, a killed or overrunning worker reported and replaced, a policy the
-worker cannot import refused up front, no worker outliving its parent, no pickle read from a request."""
+worker cannot import planned in a thread instead, no worker outliving its parent, no pickle read from a request."""
 
 from __future__ import annotations
 
@@ -108,17 +108,40 @@ def test_failed_worker_is_reported_stopped_and_replaced(slow: Path, fault: str) 
         planner.close()
 
 
-def test_policy_the_worker_cannot_import_is_refused_up_front() -> None:
+def test_policy_the_worker_cannot_import_is_planned_in_a_thread() -> None:
     @register_policy("test_local_only")
     def local_only(inp):  # registered when this test runs, not when its module is imported
         return inp.current_slots_WS
 
     planner = ProcessPlanner("test_local_only", __name__)
     try:
+        _submit(planner, "x", [0], policy="test_local_only")  # submit does not wait for the worker's start
         with pytest.raises(WorkerUnavailable, match="'test_local_only' is not registered after importing"):
-            _submit(planner, "x", [0], policy="test_local_only")
+            planner.collect(60)
     finally:
         planner.close()
+    planner = ProcessPlanner("test_local_only", __name__)
+    try:  # the refusal already in: the next submit raises it
+        deadline = time.monotonic() + 60
+        while planner._lines.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(WorkerUnavailable, match="'test_local_only' is not registered after importing"):
+            _submit(planner, "y", [0], policy="test_local_only")
+    finally:
+        planner.close()
+    # the training side (`Replanner`): a refusal found at collect plans that same request in a thread
+    from ds_cobalt.config import PlannerConfig
+    from ds_cobalt.integrations.replan import Replanner
+
+    replanner = Replanner.__new__(Replanner)
+    replanner.cfg, replanner._planner = PlannerConfig(policy="test_local_only"), ProcessPlanner("test_local_only",
+                                                                                                 __name__)
+    reqs = [_request(0)]
+    request = ("z", [0], [reqs[0][0]], [reqs[0][1]], [512.0], _params("test_local_only"))
+    replanner._submit(request)
+    decisions, _, error = replanner._collect(request)
+    assert error is None and isinstance(replanner._planner, ThreadPlanner)
+    np.testing.assert_array_equal(decisions[0].slots_WS[:, :E // W], reqs[0][1])  # local_only keeps the owners
     local_only.__module__ = "__main__"
     said: list[str] = []
     assert isinstance(make_planner("process", "test_local_only", said.append), ThreadPlanner)

@@ -347,6 +347,31 @@ def test_step_timed_choice_never_drops_the_favourite_or_the_preferred(monkeypatc
         assert (slow_link.chosen == "hierarchical") == dropped and bool(slow_link.screened) == dropped
 
 
+@pytest.mark.parametrize("hierarchical_s,chosen", [(0.6, "hierarchical"), (0.98, "dense"), (1.3, "dense")])
+def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hierarchical_s, chosen) -> None:
+    """After a layout change dense's earlier time stands (its traffic does not depend on the layout): only the
+    kept schedule runs (warm-up + repeats), then one all-reduce compares it with that time, margin included."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "dense"], known={"dense": 1.0})
+    assert chooser.candidates == ["hierarchical"] and not chooser.wants_model and chooser.chosen is None
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    picks = []
+    while chooser.chosen is None:
+        picks.append(chooser.pick(torch.device("cpu"), groups))
+        now["t"] += hierarchical_s
+    assert picks == ["hierarchical"] * 4 + [chosen]  # 4 timed steps (warm-up + 3), the 5th forward runs the choice
+    assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
+    # everything known: decided at once, no trial, no collective
+    assert tile_tuner.StepTimedChoice(["dense"], known={"dense": 1.0}).chosen == "dense"
+    assert tile_tuner.StepTimedChoice(["hierarchical", "dense"], known={"hierarchical": 1.0, "dense": 2.0},
+                                      prefer="dense").chosen == "hierarchical"
+
+
 def test_step_timed_choice_follows_the_model() -> None:
     """The model's order: the best-predicted candidate takes the warm-up and the first trial; pruned ones never
     run; with everything pruned but one, it is chosen at once."""
