@@ -61,6 +61,10 @@ DENSE_MARGIN = 0.05
 # spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
 # step measured, and dense unless the model predicts it slower too
 SCREEN_RATIO = 1.25
+# ... and one (not dense) whose first step took more than this times the fastest's where the cost model, too,
+# predicts it slower than the fastest: two independent signs agree (at loopback hierarchical and direct measure
+# 1.1-1.2x dense and the model prices them higher, so their 4 more trial steps went)
+AGREED_SCREEN_RATIO = 1.10
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens
 _MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL = 512, 8192
@@ -229,7 +233,8 @@ class LayerCore:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
         `known`: step seconds measured before, which need no trial."""
-        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO, known=known)
+        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO,
+                               agreed_ratio=AGREED_SCREEN_RATIO, known=known)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule chosen for the

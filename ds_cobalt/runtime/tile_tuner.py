@@ -139,20 +139,23 @@ class StepTimedChoice:
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
     repeats. The first candidate (the model's favourite, which also ran the warm-up) is never dropped, and
     `prefer` only where the model also predicts it slower than the fastest: a slow outlier step can then cost
-    a speed-up, not the safe choice where it is the right one.
+    a speed-up, not the safe choice where it is the right one. With `agreed_ratio` (below `screen_ratio`), any
+    other candidate goes already past `agreed_ratio` times the fastest where the model also predicts it slower
+    than the fastest: measurement and model agree.
 
     `known` gives candidates whose step time is already measured (every rank's slowest, e.g. a schedule whose
     traffic the change that started this choice leaves as it was): they run no trials and enter the decision
     with that time."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
-                 margin: float = 0.0, screen_ratio: float | None = None,
+                 margin: float = 0.0, screen_ratio: float | None = None, agreed_ratio: float | None = None,
                  known: dict[str, float] | None = None) -> None:
         self.repeats = repeats
         self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
         self.screen_ratio = screen_ratio
+        self.agreed_ratio = screen_ratio if agreed_ratio is None else agreed_ratio
         self.screened: dict[str, float] = {}  # candidates dropped after the first round: their first trial (s)
         self._screen_done = False
         self.medians: dict[str, float] = {}
@@ -237,12 +240,20 @@ class StepTimedChoice:
         self._screen_done = True
         first_t = self._slowest_rank([self.times[c][0] for c in self.candidates], groups)
         first = dict(zip(self.candidates, first_t.tolist()))
-        limit = self.screen_ratio * float(first_t.min())
+        best = float(first_t.min())
         fastest = self.candidates[int(first_t.argmin())]
-        protected = {self.candidates[0]}
-        if not self.predicted or self.predicted.get(self.prefer, 0.0) <= self.predicted.get(fastest, 0.0):
-            protected.add(self.prefer)  # dropped only where the model, too, predicts it slower than the fastest
-        self.screened = {c: t for c, t in first.items() if c not in protected and t > limit}
+
+        def model_agrees(c: str) -> bool:  # the model, too, predicts `c` slower than the fastest
+            return bool(self.predicted) and self.predicted.get(c, 0.0) > self.predicted.get(fastest, 0.0)
+
+        def dropped(c: str, t: float) -> bool:
+            if c == self.candidates[0]:
+                return False
+            if c == self.prefer:
+                return model_agrees(c) and t > self.screen_ratio * best
+            return t > self.screen_ratio * best or (model_agrees(c) and t > self.agreed_ratio * best)
+
+        self.screened = {c: t for c, t in first.items() if dropped(c, t)}
         kept = [c for c in self.candidates if c not in self.screened]
         self.trials = self.trials[: self._trial] + [c for c in self.trials[self._trial:] if c in kept]
         self.candidates = kept

@@ -347,6 +347,36 @@ def test_step_timed_choice_never_drops_the_favourite_or_the_preferred(monkeypatc
         assert (slow_link.chosen == "hierarchical") == dropped and bool(slow_link.screened) == dropped
 
 
+@pytest.mark.parametrize("direct_predicted,fastest,screened", [
+    (3.0, "dense", {"direct": 1.15}),  # the model, too, prices direct above dense (the fastest): dropped
+    (1.2, "dense", {}),  # the model prices direct below dense: kept
+    (3.0, "hierarchical", {}),  # dense 1.15x the fastest: the safe choice needs SCREEN_RATIO, model or not
+])
+def test_step_timed_choice_drops_sooner_where_the_model_agrees(monkeypatch, direct_predicted, fastest,
+                                                               screened) -> None:
+    """Past AGREED_SCREEN_RATIO (not SCREEN_RATIO) a candidate goes after one round if the model also predicts it
+    slower than the fastest; dense, the safe choice, still needs SCREEN_RATIO; the favourite always stays."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import AGREED_SCREEN_RATIO, SCREEN_RATIO, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    assert 1.0 < AGREED_SCREEN_RATIO < 1.15 < SCREEN_RATIO
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    chooser.use_model({"hierarchical": 1.0, "direct": direct_predicted, "dense": 2.0}, [])
+    order = list(chooser.candidates)
+    assert order[0] == "hierarchical"  # the favourite
+    cost = {c: 1.0 if c == fastest else 1.15 for c in ("hierarchical", "direct", "dense")}
+    if fastest == "hierarchical":
+        cost["direct"] = 1.05  # within AGREED_SCREEN_RATIO
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    for _ in range(5):  # warm-up + round 1, then the screening
+        now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
+    assert chooser.screened == pytest.approx(screened)
+    assert chooser.candidates == [c for c in order if c not in screened]
+
+
 @pytest.mark.parametrize("hierarchical_s,chosen", [(0.6, "hierarchical"), (0.98, "dense"), (1.3, "dense")])
 def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hierarchical_s, chosen) -> None:
     """After a layout change dense's earlier time stands (its traffic does not depend on the layout): only the
