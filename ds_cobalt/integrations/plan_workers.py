@@ -1,8 +1,8 @@
 """Where a rank plans its share of the layers: a worker process (default) or a thread.
 
-`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (started once `auto`'s schedule trials
-are over, a few steps before the first re-plan, so its imports and the numba kernels load meanwhile), hands it
-a request file per re-plan and reads the decisions back. `submit` never waits: a request sent before the
+`ProcessPlanner` keeps one `python -m ds_cobalt.planner.worker` per rank (the replanner starts it with the
+engine and waits for its imports and numba kernels there), hands it a request file per re-plan and reads the
+decisions back. `submit` never waits: a request sent before the
 worker is ready waits in its stdin, and `collect` waits for the start (at most `start_timeout_s`), then for
 the plan. A worker that dies or runs past the deadline is stopped and started again at the next re-plan;
 `collect` then reports the error and returns no decisions, so the caller keeps those layers as they are. A
@@ -50,6 +50,8 @@ class LayerPlanner(Protocol):
 
     def collect(self, timeout_s: float) -> PlanOutcome: ...
 
+    def wait_ready(self) -> str | None: ...
+
     def close(self) -> None: ...
 
 
@@ -86,6 +88,9 @@ class ThreadPlanner:
         if thread.is_alive():  # a thread cannot be stopped: its result is dropped
             return {}, timeout_s, f"the planner thread ran past {timeout_s:g} s"
         return self._outcome
+
+    def wait_ready(self) -> str | None:
+        return None  # nothing to start
 
     def close(self) -> None:
         self._thread = None
@@ -181,6 +186,11 @@ class ProcessPlanner:
                 self._note_ready(msg)
         return None
 
+    def wait_ready(self) -> str | None:
+        """Wait at most `start_timeout_s` for the worker's start: None once it is ready, else why not (the next
+        `submit` starts another). A worker that cannot import the policy raises `WorkerUnavailable`."""
+        return self._wait_ready(time.monotonic() + self._start_timeout_s)
+
     # ----- requests -----
     def submit(self, tag: str, layer_ids: list[int], stats: list[LayerStats], currents: list[np.ndarray],
                tokens_per_step: list[float], params: PlanParams) -> None:
@@ -226,15 +236,26 @@ class ProcessPlanner:
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.stdin is not None:
-            try:
-                proc.stdin.close()  # end of stdin: the worker exits on its own
-                proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self._stop()
+        """Stop the worker without waiting for it: its exit (interpreter teardown, at its low priority while the
+        ranks fill the cores) took a training step 0.3-0.5 s longer when this waited. A reaper thread closes its
+        stdin, which ends it, and kills it if it is still there after `EXIT_GRACE_S`."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            threading.Thread(target=_end_worker, args=(proc,), daemon=True, name="ds_cobalt-planner-reaper").start()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+EXIT_GRACE_S = 5.0
+
+
+def _end_worker(proc: subprocess.Popen) -> None:
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()  # end of stdin: the worker exits on its own
+        proc.wait(timeout=EXIT_GRACE_S)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
 
 
 def make_planner(mode: str, policy: str, log: Any) -> LayerPlanner:

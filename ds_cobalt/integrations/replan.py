@@ -44,7 +44,7 @@ from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_p
 __all__ = ["Replanner", "KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "plan_layer_decision"]
 
 
-WORKER_LEAD_STEPS = 10  # a rank's planner worker starts this many steps before its first re-plan
+WORKER_LEAD_STEPS = 10  # a planner not running (stopped, or not started with the engine) starts this many steps early
 
 
 class Replanner:
@@ -89,6 +89,27 @@ class Replanner:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         self._mine = list(range(rank, len(self.layers), world))  # this rank's share of the layers
+        self._start_planner_with_engine()
+
+    def _start_planner_with_engine(self) -> None:
+        """Start this rank's planner now and wait until it is ready: its imports and numba kernels take ~2 s of
+        CPU, which beside training (where the ranks fill the cores) slowed the steps around it by up to 1.5 s and
+        skewed `auto`'s trials. A job whose layers all run the dense schedule plans nothing and starts none."""
+        if self._all_dense():
+            return
+        t0 = time.perf_counter()
+        self._ensure_planner()
+        if self._planner is None:
+            return
+        try:
+            not_started = self._planner.wait_ready()
+        except WorkerUnavailable as e:
+            self._plan_in_threads(e)
+            return
+        if not_started is not None:
+            logger.warning(f"ds_cobalt: {not_started} (started again at the next re-plan)")
+        elif not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(f"ds_cobalt: planner worker ready ({time.perf_counter() - t0:.1f} s)")
 
     def is_plan_step(self, step: int) -> bool:
         """Whether a re-plan starts after optimizer step `step` (a function of the step alone, so a resumed
@@ -140,6 +161,7 @@ class Replanner:
         step = int(engine.global_steps)
         if self._apply_at is None and self._all_dense():
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
+            self.close()  # the idle worker's memory (a layout change that ends `dense` starts another)
             if self.is_plan_step(step):
                 self.dense_skips.append(step)
                 for layer in self.layers:  # the next re-plan sums the steps since this one, as after a plan
@@ -150,8 +172,8 @@ class Replanner:
                                 "independent of the layout); re-plans are skipped while they do")
             return
         if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS) and self._schedules_chosen():
-            # a few steps early, its imports and kernels load meanwhile (~2 s of CPU); not while `auto` still times
-            # the schedules, whose trials it would skew, and never for a job whose layers all settle on dense
+            # a planner that did not start with the engine, or was stopped: a few steps early, so its imports and
+            # kernels load meanwhile; not while `auto` still times the schedules, whose trials it would skew
             self._ensure_planner()
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)

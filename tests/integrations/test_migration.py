@@ -397,7 +397,7 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
     live: dict[str, Any] = {}
 
     def refusing_make_planner(*args: Any, **kwargs: Any) -> Any:
-        if rank == 1 and live["engine"].global_steps <= 4:
+        if rank == 1 and (live["engine"] is None or live["engine"].global_steps <= 4):  # None: at start-up
             raise OSError(11, "Resource temporarily unavailable (test)")
         return real_make_planner(*args, **kwargs)
 
@@ -410,6 +410,7 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
 
         cfg = {**forced, "planner": {**forced["planner"], **planner}}
         replan_module.make_planner = refusing_make_planner if fault == "refused" else real_make_planner
+        live["engine"] = None
         engine = live["engine"] = build_engine("cobalt", 1, cobalt=cfg, extra=monitor)
         pids: list[int | None] = []
 
@@ -473,7 +474,7 @@ def test_replan_applies_same_layout_on_every_rank_after_lag(run_ranks: Any, tmp_
     for r in res:
         assert [(h["step"], h["planned"], h["dense_skipped"]) for h in r["costed_history"]] == [
             (4, 2, []), (8, 2, []), (12, 2, [])]  # both layers planned each time
-        # every layer dense: no re-plan runs at all (no gather, no worker process)
+        # every layer dense: no re-plan runs at all (no gather, no worker process, not even at start-up)
         assert r["dense_history"] == [] and not r["dense_worker"] and r["dense_skips"] == [4, 8]
     assert res[0]["killed_layouts"][-1][0].shape == (4, 3)
     logged = [p.name for p in tmp_path.rglob("*") if p.is_file()]

@@ -79,6 +79,13 @@ def test_worker_plans_what_the_training_process_would() -> None:
             np.testing.assert_array_equal(decisions[lid].slots_WS, d.slots_WS)
         assert any(d.action != 0 for d in expected.values())  # a real plan, not "keep"
         assert list(planner._dir.iterdir()) == []  # request and result files are removed
+        pid, t0 = planner._proc.pid, time.monotonic()
+        planner.close()  # returns at once; the worker ends on its own (end of stdin), reaped in a thread
+        assert time.monotonic() - t0 < 0.1 and planner._proc is None
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
     finally:
         planner.close()
 
