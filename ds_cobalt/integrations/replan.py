@@ -6,8 +6,9 @@ B sample rows per rank and layer, R world ranks.
 Timeline (every rank runs the same hook after each optimizer step, so decisions line up without extra
 per-step collectives):
 - after step s in `planner.early_replan_steps` (first_replan_step, then the halvings of the interval after it)
-  or with s % replan_interval == 0 (`is_plan_step`): one all_reduce (sum)
-  of every layer's load, co-activation,
+  or with s % replan_interval == 0 (`is_plan_step`; while `auto` still times a layer's schedules, or a plan is
+  in flight, at the first step after s where neither holds): one all_reduce (sum) of every layer's load,
+  co-activation,
   token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
   to its planner worker process (`plan_workers.py`), which runs at a lower CPU priority.
 - after step s + apply_lag: each rank waits at most `plan_timeout_s` for its worker; one all_reduce (sum)
@@ -65,7 +66,10 @@ class Replanner:
         self._interval = self.cfg.replan_interval
         self._early = self.cfg.early_replan_steps  # the plan steps before the first multiple of the interval
         self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
-        self.stats_since_step = 0  # the step after which the layers' routing statistics were last read and reset
+        self.deferred: list[tuple[int, int]] = []  # (plan step, step the re-plan started): it waited for `auto`
+        self._deferred_from: int | None = None  # a plan step whose re-plan waits (schedule trials, plan in flight)
+        # the step after which the layers' routing statistics were last read and reset (None: not known, resumed)
+        self.stats_since_step: int | None = 0
         if not self.layers:
             return
         for layer in self.layers:
@@ -122,9 +126,12 @@ class Replanner:
         return min([s for s in self._early if s >= step] + [multiple])
 
     def _steps_since_last_plan(self, step: int) -> int:
-        """Optimizer steps whose statistics a re-plan after `step` sums (since the previous plan step)."""
-        previous = max([s for s in self._early if s < step] + [(step - 1) // self._interval * self._interval])
-        return max(1, step - previous)
+        """Optimizer steps whose statistics a re-plan after `step` sums (since they were last read or reset; after
+        a resume from a checkpoint that does not say, since the plan step before `step`)."""
+        since = self.stats_since_step
+        if since is None:
+            since = max([s for s in self._early if s < step] + [(step - 1) // self._interval * self._interval])
+        return max(1, step - since)
 
     def _all_dense(self) -> bool:
         """Every layer settled on the dense schedule, which re-plans leave out (unless the cost model is off)."""
@@ -159,10 +166,12 @@ class Replanner:
         if not self.layers:
             return
         step = int(engine.global_steps)
+        plan_due = self.is_plan_step(step) or self._deferred_from is not None
         if self._apply_at is None and self._all_dense():
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
             self.close()  # the idle worker's memory (a layout change that ends `dense` starts another)
-            if self.is_plan_step(step):
+            if plan_due:
+                self._deferred_from = None
                 self.dense_skips.append(step)
                 for layer in self.layers:  # the next re-plan sums the steps since this one, as after a plan
                     layer.stats.reset()
@@ -177,10 +186,23 @@ class Replanner:
             self._ensure_planner()
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)
-        if self.is_plan_step(step):
-            self._start(engine, step)
-            if self.cfg.effective_apply_lag == 0:
-                self._apply(engine)
+        if not plan_due:
+            return
+        if not self._schedules_chosen() or self._apply_at is not None:
+            # `auto` still times a layer's schedules (one that settles on dense needs no plan, and a layout change
+            # would restart its trials), or a plan is in flight: the re-plan starts once neither holds
+            if self._deferred_from is None:
+                self._deferred_from = step
+            return
+        if self._deferred_from is not None:
+            self.deferred.append((self._deferred_from, step))
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.info(f"ds_cobalt replan due after step {self._deferred_from} starts after step {step}, once "
+                            "the schedule trials of every layer (`transport.schedule: auto`) are over")
+            self._deferred_from = None
+        self._start(engine, step)
+        if self.cfg.effective_apply_lag == 0:
+            self._apply(engine)
 
     # ----- statistics and planning -----
     def _gather(self) -> list[LayerStats]:
@@ -341,7 +363,8 @@ class Replanner:
             tensors |= {f"stats.{i}.load_E": st.load_E, f"stats.{i}.coact_EE": st.coact_EE,
                         f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens])}
         meta = {"apply_at": "" if self._apply_at is None else str(self._apply_at), "pending": "",
-                "skipped": json.dumps(self._skipped)}
+                "skipped": json.dumps(self._skipped), "stats_since_step": "" if self.stats_since_step is None else str(self.stats_since_step),
+                "deferred_from": "" if self._deferred_from is None else str(self._deferred_from)}
         if self._pending is not None:
             tag, ids, stats, currents, tokens_per_step, params = self._pending
             meta |= {"pending": tag, "params": json.dumps(params), "pending_layers": json.dumps(ids)}
@@ -362,6 +385,8 @@ class Replanner:
                 getattr(st, name).copy_(tensors[f"stats.{i}.{name}"])
             st.tokens = int(tensors[f"stats.{i}.tokens"].item())
         self._apply_at = int(meta["apply_at"]) if meta.get("apply_at") else None
+        self.stats_since_step = int(meta["stats_since_step"]) if meta.get("stats_since_step") else None
+        self._deferred_from = int(meta["deferred_from"]) if meta.get("deferred_from") else None
         self._pending, self._skipped = None, json.loads(meta.get("skipped") or "[]")
         if meta.get("pending") and self._mine:
             self._ensure_planner()

@@ -57,6 +57,12 @@ HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
 # how much faster (fraction of a step) another schedule must measure to replace dense: about the spread of
 # 3-step medians on the shared test machines (paired ratios moved by +-0.03)
 DENSE_MARGIN = 0.05
+# ... and this much where the cost model prices that schedule's communication no lower than dense's: it can then win
+# only through the compute of dense's padding, which also costs dense bytes, so the model rarely misses such a case;
+# and 3-step medians in separate jobs here spread by far more than 5% (at loopback, where hierarchical and direct
+# run at 0.85-0.87x DeepSpeed side by side, 7 of 18 jobs kept one of them for a layer at DENSE_MARGIN; in one,
+# hierarchical's trial median was 0.83x dense's and its re-timing after the next migration 1.27x)
+DISPUTED_DENSE_MARGIN = 0.30
 # a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
 # spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
 # step measured, and dense unless the model predicts it slower too
@@ -234,7 +240,7 @@ class LayerCore:
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
         `known`: step seconds measured before, which need no trial."""
         return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO,
-                               agreed_ratio=AGREED_SCREEN_RATIO, known=known)
+                               agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule chosen for the

@@ -132,7 +132,9 @@ class StepTimedChoice:
     includes the backward (and everything else of the step, which is the same for every candidate). Trials
     alternate candidates `repeats` times after `warmup` steps; the lowest median wins, except that `prefer`
     (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
-    its median): a close call on a noisy machine then stays with the safe candidate. Every rank of the EP group
+    its median): a close call on a noisy machine then stays with the safe candidate. Where the cost model
+    (`use_model`) predicts the winner's communication no cheaper than `prefer`'s, the winner must be faster by
+    `disputed_margin` instead: measurement and model disagree, so only a clear measurement replaces it. Every rank of the EP group
     walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
@@ -149,11 +151,12 @@ class StepTimedChoice:
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
                  margin: float = 0.0, screen_ratio: float | None = None, agreed_ratio: float | None = None,
-                 known: dict[str, float] | None = None) -> None:
+                 known: dict[str, float] | None = None, disputed_margin: float | None = None) -> None:
         self.repeats = repeats
         self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
+        self.disputed_margin = margin if disputed_margin is None else disputed_margin
         self.screen_ratio = screen_ratio
         self.agreed_ratio = screen_ratio if agreed_ratio is None else agreed_ratio
         self.screened: dict[str, float] = {}  # candidates dropped after the first round: their first trial (s)
@@ -266,11 +269,16 @@ class StepTimedChoice:
         self._decide_known()
 
     def _decide_known(self) -> None:
-        """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin`."""
+        """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin` (or
+        `disputed_margin`, where the model prices the fastest's communication no lower than `prefer`'s)."""
         timed = {c: t for c, t in self.medians.items() if c not in self.screened}
         self.medians = {**self.medians, **self.known}
         contenders = {**timed, **self.known}
         self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
-        if safe is not None and self.medians[self.chosen] > (1.0 - self.margin) * safe:
+        predicted = self.predicted
+        disputed = self.chosen in predicted and self.prefer in predicted and (
+            predicted[self.chosen] >= predicted[self.prefer])
+        margin = self.disputed_margin if disputed else self.margin
+        if safe is not None and self.medians[self.chosen] > (1.0 - margin) * safe:
             self.chosen = self.prefer

@@ -110,6 +110,7 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_history"] = [(h["planned_after_step"], h["step"], h["planned"], h["dense_skipped"])
                                   for h in hook.history]
         out[f"{name}_dense_skips"] = list(hook.dense_skips)
+        out[f"{name}_deferred"] = list(hook.deferred)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
         # a new layout (here: the same one installed again) times only the schedule kept so far, and dense
@@ -121,6 +122,19 @@ def _default_body(rank: int, world: int) -> dict:
             chooser = layer.cobalt_core._chooser
             out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
         engine.destroy()
+    # a plan step while `auto` still times the schedules: the re-plan waits until every layer has chosen
+    engine = build_engine("cobalt", 1, cobalt={"planner": {"replan_interval": 10, "first_replan_step": 2,
+                                                           "apply_lag": 1}})
+    chosen_after: list[bool] = []  # [g]: every layer's schedule chosen after optimizer step g (the hook's view)
+
+    def record(engine, step: int) -> None:
+        chosen_after.append(all(layer.cobalt_core.schedule is not None for layer in cobalt_layers(engine)))
+
+    out["early_losses"] = train(engine, range(16), before_step=record)
+    (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+    out["early"] = {"chosen_after": chosen_after, "deferred": list(hook.deferred), "dense_skips": list(hook.dense_skips),
+                    "starts": [h["planned_after_step"] for h in hook.history]}
+    engine.destroy()
     return out
 
 
@@ -134,9 +148,13 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             # re-plans after step 12 (planner.first_replan_step), 25 (early_replans: half the interval) and 50,
             # applied 5 steps later; a layer on dense is left out, and when every layer is the re-plan is skipped
             # (its step in dense_skips)
+            # (a re-plan due while `auto` still timed a layer's schedules starts once they are chosen: `deferred`)
+            started = dict((start, due) for due, start in out[f"{name}_deferred"])
             plans = ((12, 17), (25, 30), (50, 55))
-            assert all((h[0], h[1]) in plans and h[2] + len(h[3]) == 2 for h in history), history
-            assert sorted([h[0] for h in history] + out[f"{name}_dense_skips"]) == [12, 25, 50]
+            assert all((started.get(h[0], h[0]), h[1] - h[0] + started.get(h[0], h[0])) in plans
+                       and h[2] + len(h[3]) == 2 for h in history), history
+            assert sorted([started.get(s, s) for s in [h[0] for h in history] + out[f"{name}_dense_skips"]]) == [
+                12, 25, 50]
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
@@ -149,6 +167,15 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             else:
                 assert candidates == [schedule, "dense"] and not known, (schedule, candidates, known)
         assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
+        assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
+        early = out["early"]
+        np.testing.assert_allclose(out["early_losses"], out["deepspeed"][:16], rtol=1e-5, atol=1e-6)
+        # due after step 2 (the trials, a warm-up and three rounds, are not over then); started, or skipped where
+        # every layer settled on dense, after the first step at which every layer had chosen
+        ready = next(g for g in range(2, len(early["chosen_after"])) if early["chosen_after"][g])
+        assert ready > 2 and sorted(early["starts"] + early["dense_skips"])[0] == ready, early
+        if ready in early["starts"]:
+            assert early["deferred"][0] == (2, ready), early
         assert [h[:2] for h in out["hierarchical_history"]] == [(12, 17), (25, 30), (50, 55)]
         assert all(h[3] == [] for h in out["hierarchical_history"])
 

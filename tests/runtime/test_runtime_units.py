@@ -285,6 +285,31 @@ def test_step_timed_choice_keeps_the_preferred_candidate_in_a_close_call(monkeyp
     assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
 
 
+@pytest.mark.parametrize("direct_predicted,direct_s,chosen", [
+    (1.2, 0.94, "direct"),  # the model prices direct's communication below dense's: DENSE_MARGIN (5 %) is enough
+    (2.5, 0.94, "dense"),  # it prices it above dense's: only DISPUTED_DENSE_MARGIN (30 %) faster replaces dense
+    (2.5, 0.80, "dense"),
+    (2.0, 0.80, "dense"),  # equal prices count as disputed
+    (2.5, 0.65, "direct"),
+])
+def test_step_timed_choice_needs_a_clear_win_where_the_model_disagrees(monkeypatch, direct_predicted, direct_s,
+                                                                       chosen) -> None:
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import DENSE_MARGIN, DISPUTED_DENSE_MARGIN, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    assert DENSE_MARGIN < 0.06 < 0.25 < DISPUTED_DENSE_MARGIN < 0.34
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["direct", "dense"])
+    chooser.use_model({"direct": direct_predicted, "dense": 2.0}, [])
+    cost = {"direct": direct_s, "dense": 1.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    while chooser.chosen is None:
+        now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
+    assert chooser.chosen == chosen and chooser.medians == pytest.approx(cost)
+
+
 @pytest.mark.parametrize("direct_s,hierarchical_s,seen,chosen", [
     # direct's first step is 1.5x dense's: dropped after round 1; hierarchical (the favourite) stays and loses
     (1.5, 1.1, ["hierarchical", "hierarchical", "direct", "dense", "hierarchical", "dense", "hierarchical", "dense",
