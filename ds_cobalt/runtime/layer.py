@@ -58,11 +58,13 @@ HIERARCHICAL, DIRECT, DENSE = "hierarchical", "direct", "dense"
 # 3-step medians on the shared test machines (paired ratios moved by +-0.03)
 DENSE_MARGIN = 0.05
 # ... and this much where the cost model prices that schedule's communication no lower than dense's: it can then win
-# only through the compute of dense's padding, which also costs dense bytes, so the model rarely misses such a case;
-# and 3-step medians in separate jobs here spread by far more than 5% (at loopback, where hierarchical and direct
-# run at 0.85-0.87x DeepSpeed side by side, 7 of 18 jobs kept one of them for a layer at DENSE_MARGIN; in one,
-# hierarchical's trial median was 0.83x dense's and its re-timing after the next migration 1.27x)
+# only through the compute of dense's padding, which costs dense bytes too, so the model seldom misses such a case,
+# while single steps in separate jobs here spread by +-20% (in one, hierarchical's trial median was 0.83x dense's
+# and its re-timing ten steps later 1.27x)
 DISPUTED_DENSE_MARGIN = 0.30
+# steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
+# ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
+SCHEDULE_WARMUP = 3
 # a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
 # spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
 # step measured, and dense unless the model predicts it slower too
@@ -239,7 +241,8 @@ class LayerCore:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
         `known`: step seconds measured before, which need no trial."""
-        return StepTimedChoice(candidates, prefer=DENSE, margin=DENSE_MARGIN, screen_ratio=SCREEN_RATIO,
+        return StepTimedChoice(candidates, warmup=SCHEDULE_WARMUP, prefer=DENSE, margin=DENSE_MARGIN,
+                               screen_ratio=SCREEN_RATIO,
                                agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:

@@ -129,13 +129,14 @@ class OverlapTuner:
 class StepTimedChoice:
     """Picks one of `candidates` by timing whole training steps: a trial runs from the layer's forward to the
     end of the optimizer step (`step_end`), or to its next forward where nothing calls `step_end`, so it
-    includes the backward (and everything else of the step, which is the same for every candidate). Trials
-    alternate candidates `repeats` times after `warmup` steps; the lowest median wins, except that `prefer`
+    includes the backward (and everything else of the step, which is the same for every candidate). After
+    `warmup` steps of the first candidate, `repeats` rounds time every candidate once, round r in the order
+    rotated by r (no candidate always first); the lowest median wins, except that `prefer`
     (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
     its median): a close call on a noisy machine then stays with the safe candidate. Where the cost model
     (`use_model`) predicts the winner's communication no cheaper than `prefer`'s, the winner must be faster by
-    `disputed_margin` instead: measurement and model disagree, so only a clear measurement replaces it. Every rank of the EP group
-    walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
+    `disputed_margin` instead: measurement and model disagree, so only a clear measurement replaces it. Every
+    rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
@@ -175,7 +176,12 @@ class StepTimedChoice:
             self.trials, self.times, self.chosen = [], {}, None
             self._decide_known()
             return
-        self.trials = [self.candidates[0]] * self.warmup + self.candidates * self.repeats
+        # round r runs the candidates rotated by r, so each takes every place in a round: the first steps of a run
+        # get faster step by step (at loopback here ~250, 200, 170, 150 ms), and a fixed order timed the first
+        # candidate (dense, the model's favourite on fast links) in the slowest place of every round
+        n = len(self.candidates)
+        rounds = [self.candidates[r % n:] + self.candidates[: r % n] for r in range(self.repeats)]
+        self.trials = [self.candidates[0]] * self.warmup + [c for one in rounds for c in one]
         self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
         self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 and not self.known else None
 

@@ -242,7 +242,8 @@ def test_step_timed_choice_alternates_then_keeps_the_lower_median(monkeypatch) -
         pick = chooser.pick(torch.device("cpu"), groups)
         seen.append(pick)
         now["t"] += cost[pick] + (5.0 if len(seen) == 4 else 0.0)  # one slow outlier step of "hierarchical"
-    assert seen[:7] == ["hierarchical", "hierarchical", "direct", "hierarchical", "direct", "hierarchical", "direct"]
+    # a warm-up step, then rounds in rotated order: (hierarchical, direct), (direct, hierarchical), ...
+    assert seen[:7] == ["hierarchical", "hierarchical", "direct", "direct", "hierarchical", "hierarchical", "direct"]
     assert chooser.chosen == "direct" and seen[7:] == ["direct"] * 3
     assert chooser.medians == {"hierarchical": 2.0, "direct": 1.0}  # the median ignores the outlier
     assert tile_tuner.StepTimedChoice(["hierarchical"]).chosen == "hierarchical"  # one candidate: no trials
@@ -271,7 +272,7 @@ def test_step_timed_choice_keeps_the_preferred_candidate_in_a_close_call(monkeyp
                                                                           chosen) -> None:
     """The preferred candidate (the layer's: dense) is replaced only by one faster by more than the margin."""
     from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
+    from ds_cobalt.runtime.layer import DENSE_MARGIN, SCHEDULE_WARMUP, LayerCore
     from ds_cobalt.runtime.topology import EPGroups
 
     groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
@@ -280,8 +281,10 @@ def test_step_timed_choice_keeps_the_preferred_candidate_in_a_close_call(monkeyp
     cost = {"hierarchical": hierarchical_s, "dense": 1.0}
     now = {"t": 0.0}
     monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
-    for _ in range(8):
+    for _ in range(SCHEDULE_WARMUP + 2 * 3):
         now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
+    assert chooser.chosen is None  # the trials: warm-up steps, then 3 rounds of both
+    chooser.pick(torch.device("cpu"), groups)
     assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
 
 
@@ -311,11 +314,13 @@ def test_step_timed_choice_needs_a_clear_win_where_the_model_disagrees(monkeypat
 
 
 @pytest.mark.parametrize("direct_s,hierarchical_s,seen,chosen", [
+    # (3 warm-up steps of the favourite, then rounds in rotated order)
     # direct's first step is 1.5x dense's: dropped after round 1; hierarchical (the favourite) stays and loses
-    (1.5, 1.1, ["hierarchical", "hierarchical", "direct", "dense", "hierarchical", "dense", "hierarchical", "dense",
-                "dense"], "dense"),
+    (1.5, 1.1, ["hierarchical"] * 3 + ["hierarchical", "direct", "dense", "dense", "hierarchical", "dense",
+                                       "hierarchical", "dense"], "dense"),
     # within the ratio: nothing dropped, every candidate runs its three trials
-    (1.2, 1.1, ["hierarchical", *["hierarchical", "direct", "dense"] * 3, "dense"], "dense"),
+    (1.2, 1.1, ["hierarchical"] * 3 + ["hierarchical", "direct", "dense", "direct", "dense", "hierarchical", "dense",
+                                       "hierarchical", "direct", "dense"], "dense"),
 ])
 def test_step_timed_choice_drops_a_clearly_slower_candidate_after_one_round(monkeypatch, direct_s, hierarchical_s,
                                                                             seen, chosen) -> None:
@@ -382,7 +387,7 @@ def test_step_timed_choice_drops_sooner_where_the_model_agrees(monkeypatch, dire
     """Past AGREED_SCREEN_RATIO (not SCREEN_RATIO) a candidate goes after one round if the model also predicts it
     slower than the fastest; dense, the safe choice, still needs SCREEN_RATIO; the favourite always stays."""
     from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import AGREED_SCREEN_RATIO, SCREEN_RATIO, LayerCore
+    from ds_cobalt.runtime.layer import AGREED_SCREEN_RATIO, SCHEDULE_WARMUP, SCREEN_RATIO, LayerCore
     from ds_cobalt.runtime.topology import EPGroups
 
     assert 1.0 < AGREED_SCREEN_RATIO < 1.15 < SCREEN_RATIO
@@ -396,7 +401,7 @@ def test_step_timed_choice_drops_sooner_where_the_model_agrees(monkeypatch, dire
         cost["direct"] = 1.05  # within AGREED_SCREEN_RATIO
     now = {"t": 0.0}
     monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
-    for _ in range(5):  # warm-up + round 1, then the screening
+    for _ in range(SCHEDULE_WARMUP + 4):  # warm-up + round 1, then the screening
         now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
     assert chooser.screened == pytest.approx(screened)
     assert chooser.candidates == [c for c in order if c not in screened]
@@ -407,7 +412,7 @@ def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hi
     """After a layout change dense's earlier time stands (its traffic does not depend on the layout): only the
     kept schedule runs (warm-up + repeats), then one all-reduce compares it with that time, margin included."""
     from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.layer import SCHEDULE_WARMUP, LayerCore
     from ds_cobalt.runtime.topology import EPGroups
 
     groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
@@ -419,7 +424,8 @@ def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hi
     while chooser.chosen is None:
         picks.append(chooser.pick(torch.device("cpu"), groups))
         now["t"] += hierarchical_s
-    assert picks == ["hierarchical"] * 4 + [chosen]  # 4 timed steps (warm-up + 3), the 5th forward runs the choice
+    # SCHEDULE_WARMUP + 3 steps timed, the next forward runs the choice
+    assert picks == ["hierarchical"] * (SCHEDULE_WARMUP + 3) + [chosen]
     assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
     # everything known: decided at once, no trial, no collective
     assert tile_tuner.StepTimedChoice(["dense"], known={"dense": 1.0}).chosen == "dense"
@@ -436,7 +442,7 @@ def test_step_timed_choice_follows_the_model() -> None:
     assert chooser.wants_model
     chooser.use_model({"hierarchical": 3.0, "direct": 2.0, "dense": 1.0}, ["hierarchical"])
     assert not chooser.wants_model
-    assert chooser.trials == ["dense", "dense", "direct", "dense", "direct"] and chooser.pruned == ["hierarchical"]
+    assert chooser.trials == ["dense", "dense", "direct", "direct", "dense"] and chooser.pruned == ["hierarchical"]
     alone = StepTimedChoice(["hierarchical", "dense"])
     alone.use_model({"hierarchical": 1.0, "dense": 5.0}, ["dense"])
     assert alone.chosen == "hierarchical" and alone.candidates == ["hierarchical"]
