@@ -6,7 +6,7 @@ B sample rows per rank and layer, R world ranks.
 Timeline (every rank runs the same hook after each optimizer step, so decisions line up without extra
 per-step collectives):
 - after step s in `planner.early_replan_steps` (first_replan_step, then the halvings of the interval after it)
-  or with s % replan_interval == 0 (`is_plan_step`; while `auto` still times a layer's schedules, or a plan is
+  or with s % replan_interval == 0 (`is_plan_step`; while `auto` still makes a layer's first choice, or a plan is
   in flight, at the first step after s where neither holds): one all_reduce (sum) of every layer's load,
   co-activation,
   token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
@@ -141,6 +141,10 @@ class Replanner:
         """Every layer has its schedule for the current layout (`auto`'s trials are over)."""
         return all(layer.schedule is not None for layer in self.layers)
 
+    def _first_choices_made(self) -> bool:
+        """`auto` has made every layer's first choice (after a layout change it only re-times the kept schedule)."""
+        return all(layer.first_schedule_chosen for layer in self.layers)
+
     def _ensure_planner(self) -> None:
         """Start this rank's planner (a rank with no layer to plan starts none). A start that fails (the OS
         refusing a process, say) is logged once and tried again at the next call; a re-plan without a planner
@@ -188,9 +192,11 @@ class Replanner:
             self._apply(engine)
         if not plan_due:
             return
-        if not self._schedules_chosen() or self._apply_at is not None:
-            # `auto` still times a layer's schedules (one that settles on dense needs no plan, and a layout change
-            # would restart its trials), or a plan is in flight: the re-plan starts once neither holds
+        waited = 0 if self._deferred_from is None else step - self._deferred_from
+        if self._apply_at is not None or (not self._first_choices_made() and waited < self._interval):
+            # a plan is in flight, or `auto` still makes a layer's first choice (one that settles on dense needs no
+            # plan, and a layout change would restart its trials): the re-plan starts once neither holds, or after
+            # an interval at most (migrations asked for by the user can keep restarting the trials)
             if self._deferred_from is None:
                 self._deferred_from = step
             return

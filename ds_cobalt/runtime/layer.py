@@ -159,6 +159,7 @@ class LayerCore:
         self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
+        self._first_schedule_chosen = False
 
     # ----- groups and layout -----------------------------------------------------------------------
     def attach(self, groups: EPGroups) -> None:
@@ -234,14 +235,19 @@ class LayerCore:
         previous = None if before is None else before.chosen
         # dense sends the same padded blocks on any layout: its time measured for the layout before still holds
         known = {DENSE: before.medians[DENSE]} if previous not in (None, DENSE) and DENSE in before.medians else {}
-        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known)  # every layout
+        # the layer's first trials start after SCHEDULE_WARMUP steps (the run's first steps are slower); trials for a
+        # later layout (re-timing the kept schedule, or first trials restarted by a migration) after one step
+        warmup = SCHEDULE_WARMUP if before is None else 1
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
+                                               warmup)  # every layout
 
     @staticmethod
-    def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None) -> StepTimedChoice:
+    def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
+                          warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
         `known`: step seconds measured before, which need no trial."""
-        return StepTimedChoice(candidates, warmup=SCHEDULE_WARMUP, prefer=DENSE, margin=DENSE_MARGIN,
+        return StepTimedChoice(candidates, warmup=warmup, prefer=DENSE, margin=DENSE_MARGIN,
                                screen_ratio=SCREEN_RATIO,
                                agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN)
 
@@ -276,6 +282,11 @@ class LayerCore:
     def schedule(self) -> str | None:
         """The schedule in use (None while `auto` is still timing the candidates)."""
         return None if self._chooser is None else self._chooser.chosen
+
+    @property
+    def first_schedule_chosen(self) -> bool:
+        """Whether `auto` has made this layer's first choice (later layouts only re-time the schedule kept)."""
+        return self._first_schedule_chosen
 
     @property
     def settled_dense(self) -> bool:
@@ -423,6 +434,7 @@ class LayerCore:
         chooser = self._chooser
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
+        self._first_schedule_chosen |= chooser.chosen is not None
         if not decided and chooser.chosen is not None and self.topology.rank == 0:
             _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
                       "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,

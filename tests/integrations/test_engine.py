@@ -123,7 +123,7 @@ def _default_body(rank: int, world: int) -> dict:
             out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
         engine.destroy()
     # a plan step while `auto` still times the schedules: the re-plan waits until every layer has chosen
-    engine = build_engine("cobalt", 1, cobalt={"planner": {"replan_interval": 10, "first_replan_step": 2,
+    engine = build_engine("cobalt", 1, cobalt={"planner": {"replan_interval": 20, "first_replan_step": 2,
                                                            "apply_lag": 1}})
     chosen_after: list[bool] = []  # [g]: every layer's schedule chosen after optimizer step g (the hook's view)
 
