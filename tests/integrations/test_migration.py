@@ -390,8 +390,9 @@ def _replan(rank: int, world: int, tmp: str) -> dict:
     # Layer i is planned on rank i: rank 1's first plan (layer 1, after step 4) sleeps in its worker process,
     # which is SIGKILLed ("killed") or runs past plan_timeout_s ("overran") before the decisions are applied.
     os.environ["DS_COBALT_TEST_SLOW_RANK"] = "1"
+    # (a fixed schedule: re-plans due while `auto` makes its first choice would wait for it)
     forced = {"planner": {"replan_interval": 4, "policy": "test_slow_shuffle", "apply_lag": 2, "redundant_slots": 1},
-              "migration": {"ignore_cost_model": True}}
+              "migration": {"ignore_cost_model": True}, "transport": {"schedule": "hierarchical"}}
     # "refused": rank 1 cannot start its worker (the OS refuses the process) until after step 4.
     real_make_planner = replan_module.make_planner
     live: dict[str, Any] = {}
