@@ -368,9 +368,11 @@ class Replanner:
             st = layer.stats
             tensors |= {f"stats.{i}.load_E": st.load_E, f"stats.{i}.coact_EE": st.coact_EE,
                         f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens])}
-        meta = {"apply_at": "" if self._apply_at is None else str(self._apply_at), "pending": "",
-                "skipped": json.dumps(self._skipped), "stats_since_step": "" if self.stats_since_step is None else str(self.stats_since_step),
-                "deferred_from": "" if self._deferred_from is None else str(self._deferred_from)}
+        def text(value: int | None) -> str:
+            return "" if value is None else str(value)
+
+        meta = {"apply_at": text(self._apply_at), "pending": "", "skipped": json.dumps(self._skipped),
+                "stats_since_step": text(self.stats_since_step), "deferred_from": text(self._deferred_from)}
         if self._pending is not None:
             tag, ids, stats, currents, tokens_per_step, params = self._pending
             meta |= {"pending": tag, "params": json.dumps(params), "pending_layers": json.dumps(ids)}

@@ -13,9 +13,11 @@ from .ops import (
     resolve_backend,
     weighted_scatter_add,
 )
+from .ref import accumulate_dtype
 
 __all__ = [
     "Backend",
+    "accumulate_dtype",
     "ChunkReadyFlags",
     "chunk_ready_flags",
     "cupy_install_hint",

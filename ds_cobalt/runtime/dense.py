@@ -21,8 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..kernels import gather_rows
-from ..kernels.ref import accumulate_dtype
+from ..kernels import accumulate_dtype, gather_rows
 from .comm import all_to_all_rows
 from .placement import LayerPlacement, rank_within_key
 from .topology import EPGroups

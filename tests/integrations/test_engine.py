@@ -132,8 +132,8 @@ def _default_body(rank: int, world: int) -> dict:
 
     out["early_losses"] = train(engine, range(16), before_step=record)
     (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
-    out["early"] = {"chosen_after": chosen_after, "deferred": list(hook.deferred), "dense_skips": list(hook.dense_skips),
-                    "starts": [h["planned_after_step"] for h in hook.history]}
+    out["early"] = {"chosen_after": chosen_after, "deferred": list(hook.deferred),
+                    "dense_skips": list(hook.dense_skips), "starts": [h["planned_after_step"] for h in hook.history]}
     engine.destroy()
     return out
 
