@@ -203,8 +203,8 @@ class Replanner:
         if self._deferred_from is not None:
             self.deferred.append((self._deferred_from, step))
             if not dist.is_initialized() or dist.get_rank() == 0:
-                logger.info(f"ds_cobalt replan due after step {self._deferred_from} starts after step {step}, once "
-                            "the schedule trials of every layer (`transport.schedule: auto`) are over")
+                logger.info(f"ds_cobalt replan due after step {self._deferred_from} starts after step {step} (it "
+                            "waited for `auto`'s first schedule choices or for the plan in flight)")
             self._deferred_from = None
         self._start(engine, step)
         if self.cfg.effective_apply_lag == 0:
