@@ -66,7 +66,7 @@ class Replanner:
         self._interval = self.cfg.replan_interval
         self._early = self.cfg.early_replan_steps  # the plan steps before the first multiple of the interval
         self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
-        self.deferred: list[tuple[int, int]] = []  # (plan step, step the re-plan started): it waited for `auto`
+        self.deferred: list[tuple[int, int]] = []  # (plan step, step the re-plan started or was skipped): it waited
         self._deferred_from: int | None = None  # a plan step whose re-plan waits (schedule trials, plan in flight)
         # the step after which the layers' routing statistics were last read and reset (None: not known, resumed)
         self.stats_since_step: int | None = 0
@@ -175,7 +175,9 @@ class Replanner:
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
             self.close()  # the idle worker's memory (a layout change that ends `dense` starts another)
             if plan_due:
-                self._deferred_from = None
+                if self._deferred_from is not None:  # it waited for `auto`, which settled every layer on dense
+                    self.deferred.append((self._deferred_from, step))
+                    self._deferred_from = None
                 self.dense_skips.append(step)
                 for layer in self.layers:  # the next re-plan sums the steps since this one, as after a plan
                     layer.stats.reset()
