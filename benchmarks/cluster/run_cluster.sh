@@ -151,9 +151,12 @@ echo "[cluster] job: $SCRIPT ${TRAIN_ARGS[*]}"
 START=$(date +%s)
 for ((i = 0; i < NODES; i++)); do
     ns=$(ns_of "$i")
-    # gloo picks its address from this interface; traffic to a node's own address stays on loopback
+    # gloo picks its address from this interface; traffic to a node's own address stays on loopback.
+    # This checkout is importable even where the installed ds_cobalt points elsewhere (a PYTHONPATH given, such
+    # as e2e_cluster.py's --repo, comes first)
     setsid ip netns exec "$ns" env \
         GLOO_SOCKET_IFNAME="$(dev_of "$i")" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 \
+        PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$REPO" \
         "$DEEPSPEED" --hostfile "$HOSTFILE" --no_ssh --node_rank "$i" \
         --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
         "$SCRIPT" "${TRAIN_ARGS[@]}" </dev/null >"$OUT/node$i.log" 2>&1 &
