@@ -175,9 +175,7 @@ class Replanner:
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
             self.close()  # the idle worker's memory (a layout change that ends `dense` starts another)
             if plan_due:
-                if self._deferred_from is not None:  # it waited for `auto`, which settled every layer on dense
-                    self.deferred.append((self._deferred_from, step))
-                    self._deferred_from = None
+                self._end_deferral(step)  # a re-plan that waited for `auto`, which settled every layer on dense
                 self.dense_skips.append(step)
                 for layer in self.layers:  # the next re-plan sums the steps since this one, as after a plan
                     layer.stats.reset()
@@ -202,15 +200,21 @@ class Replanner:
             if self._deferred_from is None:
                 self._deferred_from = step
             return
-        if self._deferred_from is not None:
-            self.deferred.append((self._deferred_from, step))
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                logger.info(f"ds_cobalt replan due after step {self._deferred_from} starts after step {step} (it "
-                            "waited for `auto`'s first schedule choices or for the plan in flight)")
-            self._deferred_from = None
+        due = self._end_deferral(step)
+        if due is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(f"ds_cobalt replan due after step {due} starts after step {step} (it waited for `auto`'s "
+                        "first schedule choices or for the plan in flight)")
         self._start(engine, step)
         if self.cfg.effective_apply_lag == 0:
             self._apply(engine)
+
+    def _end_deferral(self, step: int) -> int | None:
+        """The plan step whose re-plan waited and now starts, or is skipped, after `step` (listed in `deferred`);
+        None where nothing waited."""
+        due, self._deferred_from = self._deferred_from, None
+        if due is not None:
+            self.deferred.append((due, step))
+        return due
 
     # ----- statistics and planning -----
     def _gather(self) -> list[LayerStats]:

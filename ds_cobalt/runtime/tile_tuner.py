@@ -193,7 +193,7 @@ class StepTimedChoice:
 
     def use_model(self, predicted: dict[str, float], pruned: Sequence[str]) -> None:
         """Before the trials: leave out `pruned` and time the rest best-predicted first (it also takes the
-        warm-up step). The same on every rank (the prediction is computed from gathered data)."""
+        warm-up steps). The same on every rank (the prediction is computed from gathered data)."""
         self.predicted, self.pruned = dict(predicted), [c for c in self.candidates if c in pruned]
         kept = sorted((c for c in self.candidates if c not in self.pruned), key=lambda c: predicted.get(c, 0.0))
         self._set_candidates(kept or self.candidates[:1])
