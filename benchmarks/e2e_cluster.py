@@ -96,8 +96,8 @@ def variant_config(base: dict, variant: str, rate: str) -> dict:
 
 
 def run_dir(out_model: Path, rate: str, variant: str, repeat: int = 0) -> Path:
-    """A run's folder: `<rate>-<variant>/` for the first repeat (what `ds-cobalt report` and `calibrate --compare`
-    read), `repeats/<k>/<rate>-<variant>/` for the others."""
+    """A run's folder: `<rate>-<variant>/` for the first repeat (what `ds-cobalt report` reads),
+    `repeats/<k>/<rate>-<variant>/` for the others (`ds-cobalt calibrate --compare` reads every repeat)."""
     name = f"{rate}-{variant}"
     return out_model / name if repeat == 0 else out_model / "repeats" / str(repeat) / name
 

@@ -2,7 +2,9 @@
 expert load, re-plans and migrations; printed at the end of the example's report and saved as a plot.
 
 `StepTracker.after_step()` reads this rank's cumulative counters (`ds_cobalt.traffic_summary`) after each
-optimizer step; `gather()` (collective) turns them into per-step totals over the ranks.
+optimizer step, and the layout whenever it changed (`layouts`: layout-v1 dicts with the first step they served,
+which `ds-cobalt calibrate --compare` prices); `gather()` (collective) turns the counters into per-step totals over
+the ranks.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,6 +25,10 @@ class StepTracker:
         self.model = model
         self._last = [0] * len(KEYS)
         self.per_step: list[list[int]] = []  # this rank's [sent, DeepSpeed padded, expert rows] per step
+        self.layouts: list[dict] = []  # {"from_step": i (0-based), "layout": layout-v1 dict}, one per change
+        self._slots: list[np.ndarray] = []
+        # read after each forward: a migration commits right before a layer's forward
+        model.register_forward_hook(lambda *_: self._record_layout())
 
     def after_step(self) -> None:
         import ds_cobalt
@@ -30,6 +37,22 @@ class StepTracker:
         now = [int(totals[k]) for k in KEYS]
         self.per_step.append([a - b for a, b in zip(now, self._last)])
         self._last = now
+
+    def _record_layout(self) -> None:
+        """Append the layers' layout if it changed since the last forward."""
+        from ds_cobalt.integrations.layers import layer_cores
+        from ds_cobalt.planner.layout import Layout
+
+        cores = layer_cores(self.model)
+        slots = [core.layout_slots for core in cores]
+        if not cores or (len(slots) == len(self._slots) and all(map(np.array_equal, slots, self._slots))):
+            return
+        self._slots = [s.copy() for s in slots]
+        S = max(s.shape[1] for s in slots)
+        padded = np.stack([np.pad(s, ((0, 0), (0, S - s.shape[1])), constant_values=-1) for s in slots])
+        topo = cores[0].topology
+        layout = Layout(cores[0].num_experts, topo.nodes, topo.ranks_per_node, padded)
+        self.layouts.append({"from_step": len(self.per_step), "layout": layout.to_json_dict()})
 
     def gather(self) -> dict[str, list[float]]:
         """Collective: cross-node bytes per step (sum over ranks), DeepSpeed's padded bytes for the same forwards,

@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 "transport_schedules": schedules,
                 "cobalt_did": cobalt_did,
                 "per_step": per_step,
+                "layouts": tracker.layouts if tracker is not None else None,
                 "model": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                 "dtype": str(dtype),
             }

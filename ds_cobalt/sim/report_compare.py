@@ -1,8 +1,10 @@
 """Predicted vs measured step times of emulated-cluster runs (`ds-cobalt calibrate --compare RUNS_DIR`).
 
 RUNS_DIR holds `<rate>-<impl>/` folders from `benchmarks/e2e_cluster.py` (`metrics.json` of
-examples/train_moe.py, `links.json` of run_cluster.sh, `trace.npz`, or one `RUNS_DIR/trace.npz` for all).
-Per run:
+examples/train_moe.py, `links.json` of run_cluster.sh, `trace.npz`, or one `RUNS_DIR/trace.npz` for all), and
+`repeats/<k>/` with the same for further repeats: each repeat is compared on its own, and each rate's ratios are
+the medians over the repeats. Per run, and per layout the run used (the `layouts` its metrics recorded: a
+placement run changes layout at each migration; the median step over the stretches is the prediction):
 
     step = max(t_fixed + moe_cpu(impl), (moe_link_bytes(impl) + other_link_bytes) / bw(rate))   (pipelined)
     step = t_fixed' + other_link_bytes / bw(rate) + moe(impl, rate)                              (serial)
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..planner.layout import contiguous_layout
+from ..planner.layout import Layout, contiguous_layout, layout_from_dict
 from ..planner.trace import load_trace
 from .cluster import predict_step_times
 from .hardware import Hardware, ModelShape, parse_rate
@@ -74,7 +76,7 @@ def _shape(metrics: dict) -> ModelShape:
 
 def sim_variant(impl: str, metrics: dict) -> str:
     """The simulator variant of an e2e run folder's variant: its transport schedule (the one `auto` chose, from
-    the run's metrics), overlapped or not. Placement runs are priced on the contiguous layout."""
+    the run's metrics), overlapped or not."""
     if impl == "deepspeed":
         return "deepspeed"
     if "overlap" in impl:
@@ -85,23 +87,55 @@ def sim_variant(impl: str, metrics: dict) -> str:
     return {"hierarchical": "cobalt", "direct": "cobalt-direct", "dense": "cobalt-dense"}.get(schedule, "cobalt")
 
 
-def _run_prediction(run: dict, trace_path: str, hw: Hardware, variant: str) -> dict:
-    metrics = run["metrics"]
+def run_layouts(metrics: dict) -> list[tuple[int, Layout]]:
+    """`(steps, layout)` per stretch of a run's measured steps (step 0 left out, as in `measured_step_s`): the
+    layouts the run recorded (`layouts` in examples/train_moe.py's metrics: each with the first step it served),
+    else DeepSpeed's contiguous one (the runtime's start) for every step."""
     m = metrics["model"]
     G = metrics["ranks_per_node"]
-    N = metrics["world_size"] // G
+    steps = len(metrics["step_times_s"])
+    first = 1 if steps > 1 else 0
+    recorded = metrics.get("layouts") or []
+    if not recorded:
+        return [(steps - first, contiguous_layout(m["num_experts"], metrics["world_size"] // G, G))]
+    starts = [max(first, int(r["from_step"])) for r in recorded] + [steps]
+    starts[0] = first  # the first recorded layout is the one the run started with
+    out = []
+    for r, a, b in zip(recorded, starts, starts[1:]):
+        if b > a:
+            out.append((b - a, layout_from_dict(r["layout"], source="metrics layouts")))
+    return out
+
+
+def _run_prediction(run: dict, trace_path: str, hw: Hardware, variant: str) -> list[dict]:
+    """Per stretch of one layout (`run_layouts`): its measured steps and the simulator's MoE seconds, MoE seconds
+    with an infinitely fast inter-node link (the CPU side: compute, intra-node, per-call costs) and inter-node
+    bytes of the busiest node, per step."""
+    metrics = run["metrics"]
+    m = metrics["model"]
     trace = load_trace(trace_path)
-    layout = contiguous_layout(m["num_experts"], N, G)  # the runtime's default placement
-    pred = predict_step_times(trace, layout, hw, _shape(metrics), step_tokens=metrics["tokens_per_step"],
-                              capacity_factor=m["capacity_factor"] if m.get("drop_tokens", True) else None,
-                              min_capacity=m.get("min_capacity", 4), variants=("deepspeed", variant))
-    # Same step with an infinitely fast inter-node link: the CPU side (compute, intra-node, per-call costs).
-    cpu = predict_step_times(trace, layout, hw.with_inter_node_rate(1e18), _shape(metrics),
-                             step_tokens=metrics["tokens_per_step"],
-                             capacity_factor=m["capacity_factor"] if m.get("drop_tokens", True) else None,
-                             min_capacity=m.get("min_capacity", 4), variants=(variant,))
-    return {"moe_s": pred["step_s"][variant], "moe_cpu_s": cpu["step_s"][variant],
-            "moe_link_bytes": pred["inter_node_bytes"][variant]}
+    common = dict(step_tokens=metrics["tokens_per_step"],
+                  capacity_factor=m["capacity_factor"] if m.get("drop_tokens", True) else None,
+                  min_capacity=m.get("min_capacity", 4))
+    out = []
+    for steps, layout in run_layouts(metrics):
+        pred = predict_step_times(trace, layout, hw, _shape(metrics), variants=("deepspeed", variant), **common)
+        cpu = predict_step_times(trace, layout, hw.with_inter_node_rate(1e18), _shape(metrics), variants=(variant,),
+                                 **common)
+        out.append({"steps": steps, "moe_s": pred["step_s"][variant], "moe_cpu_s": cpu["step_s"][variant],
+                    "moe_link_bytes": pred["inter_node_bytes"][variant]})
+    return out
+
+
+def _step_median(values: list[float], steps: list[int]) -> float:
+    """The median step of stretches that last `steps` steps at `values` seconds each."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(np.asarray(steps, dtype=np.float64)[order])
+    return float(np.asarray(values)[order][np.searchsorted(cumulative, cumulative[-1] / 2.0)])
+
+
+def _mean_over_steps(stretches: list[dict], key: str) -> float:
+    return float(np.average([s[key] for s in stretches], weights=[s["steps"] for s in stretches]))
 
 
 def _other_bytes(run: dict) -> float:
@@ -116,11 +150,44 @@ def _other_bytes(run: dict) -> float:
     return max(0.0, link - moe)
 
 
+def repeat_dirs(runs_dir: str | Path) -> list[Path]:
+    """The folders of one benchmark run: `runs_dir` (the first repeat) and `runs_dir/repeats/<k>/` (the others,
+    from `benchmarks/e2e_cluster.py --repeats`)."""
+    extra = Path(runs_dir) / "repeats"
+    more = sorted((d for d in extra.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name)) \
+        if extra.is_dir() else []
+    return [Path(runs_dir), *more]
+
+
 def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | None = None,
                  fit_overheads: bool = True) -> dict:
-    """Predicted vs measured step times and DeepSpeed / ds_cobalt ratios per rate (see module docstring).
-    `fit_overheads`: fit each implementation's unmodelled CPU time on its run at the anchor rate (so that
-    rate's ratios are fitted, the others predicted)."""
+    """Predicted vs measured step times and DeepSpeed / ds_cobalt ratios per rate (see module docstring), for
+    every repeat of the run (`repeat_dirs`): each repeat is fitted and predicted on its own runs (their traces
+    and layouts), and a rate's ratios are the medians over repeats, as `benchmarks/e2e_cluster.py` reports them
+    (runs of one repeat ran back to back, so slow drifts of a shared machine cancel). `fit_overheads`: fit each
+    implementation's unmodelled CPU time on its run at the anchor rate (so that rate's ratios are fitted, the
+    others predicted)."""
+    results = [_compare_one(d, hw, anchor, fit_overheads) for d in repeat_dirs(runs_dir)
+               if any((c / "metrics.json").is_file() for c in d.iterdir())]
+    if not results:
+        load_runs(runs_dir)  # raises the error that names what is missing
+    first = results[0]
+    if len(results) == 1:
+        return {**first, "repeats": 1}
+    ratios = []
+    for r in first["ratios"]:
+        same = [x for res in results for x in res["ratios"] if (x["rate"], x["impl"]) == (r["rate"], r["impl"])]
+        merged = {key: float(np.median([x[key] for x in same])) for key in
+                  ("measured_ratio", "predicted_ratio", "serial_predicted_ratio", "moe_only_predicted_ratio")}
+        merged["rel_error"] = merged["predicted_ratio"] / merged["measured_ratio"] - 1.0
+        ratios.append({"rate": r["rate"], "impl": r["impl"], **merged, "fitted": r["fitted"],
+                       "measured_per_repeat": [x["measured_ratio"] for x in same],
+                       "predicted_per_repeat": [x["predicted_ratio"] for x in same]})
+    return {**first, "ratios": ratios, "repeats": len(results),
+            "max_abs_rel_error": max((abs(r["rel_error"]) for r in ratios if not r["fitted"]), default=0.0)}
+
+
+def _compare_one(runs_dir: Path, hw: Hardware, anchor: tuple[str, str] | None, fit_overheads: bool) -> dict:
     runs = load_runs(runs_dir)
     rows = []
     for rate, impls in runs.items():
@@ -129,11 +196,12 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
             raise ValueError(f"{runs_dir}/{rate}-*: no trace.npz (run with --trace-out)")
         hw_rate = hw.with_inter_node_rate(rate)
         for impl, run in impls.items():
-            pred = _run_prediction(run, trace_path, hw_rate, sim_variant(impl, run["metrics"]))
+            stretches = _run_prediction(run, trace_path, hw_rate, sim_variant(impl, run["metrics"]))
             other = _other_bytes(run)
             rows.append({"rate": rate, "impl": impl, "measured_s": measured_step_s(run["metrics"]),
                          "other_bytes": other, "other_s": other / hw_rate.inter_node_bw_node,
-                         "bw": hw_rate.inter_node_bw_node, **pred})
+                         "bw": hw_rate.inter_node_bw_node, "layouts": len(stretches), "stretches": stretches,
+                         **{key: _mean_over_steps(stretches, key) for key in ("moe_s", "moe_cpu_s", "moe_link_bytes")}})
     if anchor is None:
         fastest = max(runs, key=lambda r: hw.link_rates.get(r, parse_rate(r)))
         anchor = (fastest, "deepspeed" if "deepspeed" in runs[fastest] else next(iter(runs[fastest])))
@@ -146,13 +214,18 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
     overhead = {r["impl"]: r["measured_s"] - t_fixed_pipe - r["moe_cpu_s"] for r in rows
                 if r["rate"] == anchor[0] and r["impl"] != anchor[1]} if fit_overheads else {}
     for r in rows:
-        # Serial model: every transfer on the critical path (the alpha-beta sum of sim/cluster.py).
         r["cpu_overhead_s"] = overhead.get(r["impl"], 0.0)
-        r["predicted_serial_s"] = t_fixed + r["other_s"] + r["moe_s"] + r["cpu_overhead_s"]
+        stretches = r.pop("stretches")
+        steps = [st["steps"] for st in stretches]
+        # Serial model: every transfer on the critical path (the alpha-beta sum of sim/cluster.py).
+        r["predicted_serial_s"] = _step_median([t_fixed + r["other_s"] + st["moe_s"] + r["cpu_overhead_s"]
+                                                for st in stretches], steps)
         # Pipelined link (tbf bucket, 4 ranks taking turns): the link keeps sending while ranks compute, so
-        # a step is the larger of the CPU time and the link time.
-        r["link_s"] = (r["moe_link_bytes"] + r["other_bytes"]) / r["bw"]
-        r["predicted_s"] = max(t_fixed_pipe + r["moe_cpu_s"] + r["cpu_overhead_s"], r["link_s"])
+        # a step is the larger of the CPU time and the link time; the run's median step over its layouts.
+        link = [(st["moe_link_bytes"] + r["other_bytes"]) / r["bw"] for st in stretches]
+        r["link_s"] = _step_median(link, steps)
+        r["predicted_s"] = _step_median([max(t_fixed_pipe + st["moe_cpu_s"] + r["cpu_overhead_s"], t)
+                                         for st, t in zip(stretches, link)], steps)
     ratios = []
     for rate, impls in runs.items():
         if "deepspeed" not in impls:
@@ -176,18 +249,25 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
 
 def format_comparison(result: dict) -> str:
     fitted = ", ".join(f"{impl} {s * 1e3:+.1f} ms" for impl, s in result.get("cpu_overhead_s", {}).items())
+    repeats = result.get("repeats", 1)
     lines = [f"t_fixed = {result['t_fixed_s'] * 1e3:.1f} ms (fitted on {'/'.join(result['anchor'])})"
-             + (f"; unmodelled CPU per step, fitted at {result['anchor'][0]}: {fitted}" if fitted else ""),
+             + (f"; unmodelled CPU per step, fitted at {result['anchor'][0]}: {fitted}" if fitted else "")
+             + (f"; runs of the first of {repeats} repeats below, ratios are medians over the repeats"
+                if repeats > 1 else ""),
              f"{'rate':<9}{'impl':<26}{'measured ms':>12}{'predicted ms':>13}{'serial ms':>10}{'moe cpu ms':>11}"
-             f"{'link ms':>9}"]
+             f"{'link ms':>9}{'layouts':>8}"]
     for r in result["runs"]:
         lines.append(f"{r['rate']:<9}{r['impl']:<26}{r['measured_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}"
-                     f"{r['predicted_serial_s'] * 1e3:>10.1f}{r['moe_cpu_s'] * 1e3:>11.1f}{r['link_s'] * 1e3:>9.1f}")
+                     f"{r['predicted_serial_s'] * 1e3:>10.1f}{r['moe_cpu_s'] * 1e3:>11.1f}{r['link_s'] * 1e3:>9.1f}"
+                     f"{r.get('layouts', 1):>8}")
     lines.append(f"{'rate':<9}{'impl':<26}{'DS/impl measured':>17}{'predicted':>11}{'error':>8}{'serial pred':>13}"
                  f"{'MoE-only serial':>17}")
     for r in result["ratios"]:
         lines.append(f"{r['rate']:<9}{r['impl']:<26}{r['measured_ratio']:>17.3f}{r['predicted_ratio']:>11.3f}"
                      f"{r['rel_error'] * 100:>7.1f}%{r['serial_predicted_ratio']:>13.3f}"
-                     f"{r['moe_only_predicted_ratio']:>17.3f}" + ("  (fitted)" if r.get("fitted") else ""))
+                     f"{r['moe_only_predicted_ratio']:>17.3f}" + ("  (fitted)" if r.get("fitted") else "")
+                     + (f"  per repeat: measured {' '.join(f'{x:.2f}' for x in r['measured_per_repeat'])}, predicted "
+                        f"{' '.join(f'{x:.2f}' for x in r['predicted_per_repeat'])}" if "measured_per_repeat" in r
+                        else ""))
     lines.append(f"largest error at the predicted rates: {result['max_abs_rel_error'] * 100:.1f}%")
     return "\n".join(lines)

@@ -84,3 +84,61 @@ def test_calibrated_ratios_match_recorded_runs():
         assert abs(r["rel_error"]) <= expected["tolerance"], r
     assert [r["rate"] for r in result["ratios"] if r["fitted"]] == ["loopback"]
     assert result["max_abs_rel_error"] <= expected["tolerance"]
+
+
+def _copy_runs(dst: Path) -> None:
+    import shutil
+
+    shutil.copytree(DATA / "e2e", dst)
+
+
+def _with_layouts(run: Path, layouts: list[tuple[int, object]]) -> None:
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics["layouts"] = [{"from_step": s, "layout": layout.to_json_dict()} for s, layout in layouts]
+    (run / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_compare_prices_each_layout_a_run_used_and_takes_medians_over_repeats(tmp_path):
+    """A placement run's recorded layouts are priced stretch by stretch (the median step wins); repeats under
+    `repeats/<k>/` are compared on their own and their ratios' medians reported."""
+    from ds_cobalt.planner.trace import load_trace
+    from ds_cobalt.sim.hardware import load_hardware_json
+    from ds_cobalt.sim.report_compare import compare_runs, run_layouts
+
+    hw = load_hardware_json(DATA / "emulated_cpu_hardware.json")
+    runs = tmp_path / "runs"
+    _copy_runs(runs)
+    contiguous = contiguous_layout(8, 2, 2)
+    planned = plan_layout(load_trace(DATA / "e2e" / "trace.npz"), 2, 2, 1, "cobalt")
+
+    def row_100mbit(layouts) -> dict:
+        _with_layouts(runs / "100mbit-cobalt", layouts)
+        result = compare_runs(runs, hw)
+        return next(r for r in result["runs"] if (r["rate"], r["impl"]) == ("100mbit", "cobalt"))
+
+    base = row_100mbit([])
+    only_planned = row_100mbit([(0, planned)])
+    assert base["layouts"] == only_planned["layouts"] == 1
+    assert only_planned["moe_link_bytes"] < base["moe_link_bytes"]  # co-activation placement: fewer bytes
+    early = row_100mbit([(0, contiguous), (3, planned)])  # steps 1-2 contiguous, 3-59 planned
+    assert early["layouts"] == 2 and early["predicted_s"] == only_planned["predicted_s"]
+    assert base["moe_link_bytes"] > early["moe_link_bytes"] > only_planned["moe_link_bytes"]  # step-weighted mean
+    late = row_100mbit([(0, contiguous), (50, planned)])
+    assert late["predicted_s"] == base["predicted_s"]
+    metrics = json.loads((runs / "100mbit-cobalt" / "metrics.json").read_text())
+    assert [steps for steps, _ in run_layouts(metrics)] == [49, len(metrics["step_times_s"]) - 50]
+
+    one = compare_runs(runs, hw)
+    assert one["repeats"] == 1
+    for k, slower in ((1, 1.2), (2, 1.5)):  # DeepSpeed's runs slower in two more repeats: higher measured ratios
+        _copy_runs(runs / "repeats" / str(k))
+        for ds in (runs / "repeats" / str(k)).glob("*-deepspeed"):
+            m = json.loads((ds / "metrics.json").read_text())
+            m["step_times_s"] = [t * slower for t in m["step_times_s"]]
+            (ds / "metrics.json").write_text(json.dumps(m))
+    three = compare_runs(runs, hw)
+    assert three["repeats"] == 3
+    for r, r1 in zip(three["ratios"], one["ratios"]):
+        assert len(r["measured_per_repeat"]) == 3
+        assert abs(r["measured_ratio"] - 1.2 * r1["measured_ratio"]) < 1e-9 * r1["measured_ratio"]
+    assert main(["calibrate", "--compare", str(runs)]) == 0
