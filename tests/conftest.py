@@ -88,7 +88,9 @@ def _rank_main(
     init: str,
     out_path: str,
 ) -> None:
-    """Child process body: set the launcher's env vars, init the process group, run ``fn``, pickle result."""
+    """Child process body: take the environment (the test process's, as it is now, and the launcher's variables),
+    init the process group, run ``fn``, pickle result."""
+    os.environ.clear()  # the fork server's environment is the test process's at the server's start
     os.environ.update(env)
     try:
         import torch
@@ -134,10 +136,10 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh CPU processes; return results by rank.
 
-    ``fn`` must be picklable (a module-level function). Before it runs, each process has
-    MASTER_ADDR/MASTER_PORT (a free port), RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (and
-    DeepSpeed's LOCAL_SIZE / CROSS_RANK / CROSS_SIZE) set, OMP_NUM_THREADS=1, and the process group
-    initialised: ``init="deepspeed"`` (``deepspeed.init_distributed``, gloo; needed by DeepSpeed MoE
+    ``fn`` must be picklable (a module-level function). Before it runs, each process has the caller's
+    environment as it is at this call, MASTER_ADDR/MASTER_PORT (a free port), RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE (and DeepSpeed's LOCAL_SIZE / CROSS_RANK / CROSS_SIZE) set, OMP_NUM_THREADS=1, and the process
+    group initialised: ``init="deepspeed"`` (``deepspeed.init_distributed``, gloo; needed by DeepSpeed MoE
     layers), ``"torch"`` (``torch.distributed.init_process_group("gloo")``) or ``"none"``.
     ``ranks_per_node`` sets the local-rank variables as if the ranks were spread over nodes of that
     size (default: all ranks on one node). ``env`` adds variables.
@@ -156,6 +158,7 @@ def run_ranks(
         procs = []
         for rank in range(world_size):
             rank_env = {
+                **os.environ,
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),

@@ -68,3 +68,16 @@ def test_exception_carries_rank_traceback(run_ranks: Any) -> None:
 def test_timeout_kills_ranks(run_ranks: Any) -> None:
     with pytest.raises(RankError, match="timed out"):
         run_ranks(_sleep, 2, init="none", timeout=3)
+
+
+def _read_env(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_test_process_environment_as_it_is_now(run_ranks, monkeypatch) -> None:
+    """Ranks fork from a server started at the first call; they still get the caller's current environment."""
+    run_ranks(_read_env, 2, "DS_COBALT_TEST_ENV", init="none")  # the server runs from here on
+    monkeypatch.setenv("DS_COBALT_TEST_ENV", "set later")
+    assert run_ranks(_read_env, 2, "DS_COBALT_TEST_ENV", init="none") == ["set later"] * 2
+    monkeypatch.delenv("DS_COBALT_TEST_ENV")
+    assert run_ranks(_read_env, 2, "DS_COBALT_TEST_ENV", init="none") == [None, None]

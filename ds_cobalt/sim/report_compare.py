@@ -46,10 +46,13 @@ def measured_step_s(metrics: dict) -> float:
     return float(np.median(times))
 
 
-def load_runs(runs_dir: str | Path) -> dict[str, dict[str, dict]]:
-    """`{rate: {impl: {"metrics", "links", "trace_path"}}}` from `<rate>-<impl>/` folders."""
+def load_runs(runs_dir: str | Path, shared_trace: str | Path | None = None) -> dict[str, dict[str, dict]]:
+    """`{rate: {impl: {"metrics", "links", "trace_path"}}}` from `<rate>-<impl>/` folders. A run without its own
+    `trace.npz` uses `runs_dir/trace.npz`, else `shared_trace`."""
     runs: dict[str, dict[str, dict]] = {}
     shared = Path(runs_dir) / "trace.npz"  # one trace for every run (same seed = same routing)
+    if not shared.is_file() and shared_trace is not None:
+        shared = Path(shared_trace)
     for d in sorted(Path(runs_dir).iterdir()):
         if not (d / "metrics.json").is_file() or "-" not in d.name:
             continue
@@ -167,7 +170,8 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
     (runs of one repeat ran back to back, so slow drifts of a shared machine cancel). `fit_overheads`: fit each
     implementation's unmodelled CPU time on its run at the anchor rate (so that rate's ratios are fitted, the
     others predicted)."""
-    results = [_compare_one(d, hw, anchor, fit_overheads) for d in repeat_dirs(runs_dir)
+    shared_trace = Path(runs_dir) / "trace.npz"  # also for the repeats that have none of their own
+    results = [_compare_one(d, hw, anchor, fit_overheads, shared_trace) for d in repeat_dirs(runs_dir)
                if any((c / "metrics.json").is_file() for c in d.iterdir())]
     if not results:
         load_runs(runs_dir)  # raises the error that names what is missing
@@ -187,8 +191,9 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
             "max_abs_rel_error": max((abs(r["rel_error"]) for r in ratios if not r["fitted"]), default=0.0)}
 
 
-def _compare_one(runs_dir: Path, hw: Hardware, anchor: tuple[str, str] | None, fit_overheads: bool) -> dict:
-    runs = load_runs(runs_dir)
+def _compare_one(runs_dir: Path, hw: Hardware, anchor: tuple[str, str] | None, fit_overheads: bool,
+                 shared_trace: Path | None = None) -> dict:
+    runs = load_runs(runs_dir, shared_trace)
     rows = []
     for rate, impls in runs.items():
         trace_path = next((r["trace_path"] for r in impls.values() if r["trace_path"]), None)

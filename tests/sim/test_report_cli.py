@@ -142,3 +142,29 @@ def test_compare_prices_each_layout_a_run_used_and_takes_medians_over_repeats(tm
         assert len(r["measured_per_repeat"]) == 3
         assert abs(r["measured_ratio"] - 1.2 * r1["measured_ratio"]) < 1e-9 * r1["measured_ratio"]
     assert main(["calibrate", "--compare", str(runs)]) == 0
+
+
+def test_calibrated_ratios_match_default_config_runs_with_migrations(tmp_path):
+    """The default config's runs of 2026-12-03 (tests/data/e2e_default: `auto` kept dense on the fast links; at
+    100 Mbit/s hierarchical with 3 migrations; 3 repeats): every predicted rate within 15% of the measured median
+    ratio. Priced on the contiguous layout instead, the 100 Mbit/s run misses by more (the layouts matter)."""
+    import shutil
+
+    from ds_cobalt.sim.hardware import load_hardware_json
+    from ds_cobalt.sim.report_compare import compare_runs, format_comparison
+
+    hw = load_hardware_json(DATA / "emulated_cpu_hardware.json")
+    result = compare_runs(DATA / "e2e_default", hw)
+    assert result["repeats"] == 3
+    assert next(r for r in result["runs"] if (r["rate"], r["impl"]) == ("100mbit", "cobalt"))["layouts"] == 4
+    assert {r["rate"] for r in result["ratios"]} == {"loopback", "10gbit", "1gbit", "100mbit"}
+    assert result["max_abs_rel_error"] <= 0.15, format_comparison(result)
+    error = {r["rate"]: r["rel_error"] for r in result["ratios"]}
+
+    shutil.copytree(DATA / "e2e_default", tmp_path / "runs")
+    for f in (tmp_path / "runs").rglob("100mbit-cobalt/metrics.json"):
+        metrics = json.loads(f.read_text())
+        metrics.pop("layouts")
+        f.write_text(json.dumps(metrics))
+    contiguous = {r["rate"]: r["rel_error"] for r in compare_runs(tmp_path / "runs", hw)["ratios"]}
+    assert abs(contiguous["100mbit"]) > 0.15 > abs(error["100mbit"])
