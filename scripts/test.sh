@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything (scripts/setup.sh), then run the test suite. Extra arguments go to pytest.
-#   bash scripts/test.sh            # everything (about 16-18 minutes on the 2-core CI machines)
+#   bash scripts/test.sh            # everything (about 14-15 minutes on the 2-core CI machines)
 #   bash scripts/test.sh -m "not slow"
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
