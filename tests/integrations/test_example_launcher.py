@@ -100,6 +100,15 @@ def test_cobalt_impl(runs: Any) -> None:
     _check_common(m, "cobalt")
     t = m["traffic"]
     assert 0 < t["inter_node_bytes"] < t["deepspeed_inter_node_bytes_padded"], t
+    # the layout the run started with (no re-plan in 5 steps), in the layout-v1 format `calibrate --compare` prices
+    from ds_cobalt.planner.layout import contiguous_layout, layout_from_dict
+
+    (first,) = m["layouts"]
+    layout = layout_from_dict(first["layout"])
+    assert first["from_step"] == 0 and (layout.nodes, layout.gpus_per_node) == (2, 2)
+    E = m["model"]["num_experts"]
+    owners = layout.slots_LWS[:, :, : E // 4]
+    assert (owners == contiguous_layout(E, 2, 2).slots_LWS[0]).all()
 
 
 def test_cobalt_matches_deepspeed_loss(runs: Any) -> None:
