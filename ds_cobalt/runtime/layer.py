@@ -159,7 +159,10 @@ class LayerCore:
         self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
-        self._first_schedule_chosen = False
+        # the last `auto` decision and dense's step seconds in it (None before one): a new layout re-times the kept
+        # schedule, also when it comes while the previous re-timing is still running
+        self._kept_schedule: str | None = None
+        self._dense_seconds: float | None = None
 
     # ----- groups and layout -----------------------------------------------------------------------
     def attach(self, groups: EPGroups) -> None:
@@ -232,9 +235,10 @@ class LayerCore:
         if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
         before = self._chooser
-        previous = None if before is None else before.chosen
+        previous = self._kept_schedule
         # dense sends the same padded blocks on any layout: its time measured for the layout before still holds
-        known = {DENSE: before.medians[DENSE]} if previous not in (None, DENSE) and DENSE in before.medians else {}
+        known = {DENSE: self._dense_seconds} if previous not in (None, DENSE) and self._dense_seconds is not None \
+            else {}
         # the layer's first trials start after SCHEDULE_WARMUP steps (the run's first steps are slower); trials for a
         # later layout (re-timing the kept schedule, or first trials restarted by a migration) after one step
         warmup = SCHEDULE_WARMUP if before is None else 1
@@ -252,11 +256,11 @@ class LayerCore:
                                agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
-        """The schedules `auto` chooses from. After a layout change (`previous`: the schedule chosen for the
-        layout before) only that one and dense are candidates: a new layout (placement, replicas) cuts what
-        hierarchical and direct send alike, so it rarely changes which of the two is faster, and it does not
-        change dense's traffic at all (a layer that kept dense keeps it, untimed; one that left it compares
-        its new times with dense's earlier ones, `install_layout`)."""
+        """The schedules `auto` chooses from. After a layout change (`previous`: the schedule of the last decision,
+        also when a re-timing for the layout before had not ended) only that one and dense are candidates: a new
+        layout (placement, replicas) cuts what hierarchical and direct send alike, so it rarely changes which of
+        the two is faster, and it does not change dense's traffic at all (a layer that kept dense keeps it,
+        untimed; one that left it compares its new times with dense's earlier ones, `install_layout`)."""
         wanted = self.settings.transport.schedule
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
@@ -286,7 +290,7 @@ class LayerCore:
     @property
     def first_schedule_chosen(self) -> bool:
         """Whether `auto` has made this layer's first choice (later layouts only re-time the schedule kept)."""
-        return self._first_schedule_chosen
+        return self._kept_schedule is not None
 
     @property
     def settled_dense(self) -> bool:
@@ -434,7 +438,9 @@ class LayerCore:
         chooser = self._chooser
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
-        self._first_schedule_chosen |= chooser.chosen is not None
+        if chooser.chosen is not None and (not decided or chooser.chosen != self._kept_schedule):
+            self._kept_schedule = chooser.chosen
+            self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
         if not decided and chooser.chosen is not None and self.topology.rank == 0:
             _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
                       "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,

@@ -113,11 +113,13 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_deferred"] = list(hook.deferred)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
-        # a new layout (here: the same one installed again) times only the schedule kept so far, and dense
-        # unless it was timed before (its earlier time is carried over: `known`)
-        out[f"{name}_next_candidates"], out[f"{name}_timed_dense"] = [], []
+        # a new layout (here: the same one installed again) times only the schedule kept so far (the last decision:
+        # a migration in the last steps may leave a re-timing running), and dense unless it was timed before (its
+        # earlier time is carried over: `known`)
+        out[f"{name}_next_candidates"], out[f"{name}_timed_dense"], out[f"{name}_kept"] = [], [], []
         for layer in cobalt_layers(engine):
-            out[f"{name}_timed_dense"].append("dense" in layer.cobalt_core.schedule_timings)
+            out[f"{name}_timed_dense"].append(layer.cobalt_core._dense_seconds is not None)
+            out[f"{name}_kept"].append(layer.cobalt_core._kept_schedule)
             layer.cobalt_core.install_layout(layer.layout_slots.copy())
             chooser = layer.cobalt_core._chooser
             out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
@@ -158,7 +160,7 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
-        for schedule, (candidates, known), timed_dense in zip(out["auto_schedules"], out["auto_next_candidates"],
+        for schedule, (candidates, known), timed_dense in zip(out["auto_kept"], out["auto_next_candidates"],
                                                               out["auto_timed_dense"]):
             if schedule == "dense":
                 assert (candidates, known) == (["dense"], {}), (candidates, known)
