@@ -14,6 +14,7 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
                         another measures 5% faster), re-planning every 50 steps, one spare slot per rank
   (opt-in) cobalt-direct, cobalt-dense, cobalt-auto   (b) with `transport.schedule` "direct" (each token once
                         per destination rank), "dense" (DeepSpeed's padded exchange) or "auto" (= b)
+  (opt-in) cobalt-static   (b) with re-planning off (`planner.replan_interval` 0: no planner workers)
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
@@ -50,6 +51,7 @@ VARIANTS = {
     "cobalt-direct": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "direct"}}},
     "cobalt-dense": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "dense"}}},
     "cobalt-auto": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "auto"}}},
+    "cobalt-static": {"impl": "cobalt", "cobalt": {"planner": {"replan_interval": 0}}},  # (b), re-planning off
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
     }},

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = expert_rows_per_rank(args.moe_impl, model, meter)
     load_max_over_mean = max(rows) / (sum(rows) / len(rows)) if rows and sum(rows) else None
     migrations = len(getattr(engine, "cobalt_migrations", []))
-    schedules = transport_schedules(args.moe_impl, model)
+    decisions = schedule_decisions(args.moe_impl, model)
+    schedules = [row["schedule"] for row in decisions]
     if recorder is not None:
         recorder.save(args.trace_out)
     per_step = tracker.gather() if tracker is not None else None
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
                 "expert_load_max_over_mean": load_max_over_mean,
                 "migrations": migrations,
                 "transport_schedules": schedules,
+                "schedule_decisions": decisions,
                 "cobalt_did": cobalt_did,
                 "per_step": per_step,
                 "layouts": tracker.layouts if tracker is not None else None,
@@ -317,13 +319,14 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def transport_schedules(impl: str, model) -> list:
-    """The schedule each ds_cobalt layer uses (`transport.schedule`; None while `auto` is still timing)."""
+def schedule_decisions(impl: str, model) -> list[dict]:
+    """Per ds_cobalt layer: the schedule in use (`transport.schedule`; None while `auto` is still timing), the
+    timings and the cost model's input of the last `auto` decision (`ds_cobalt.schedule_summary`)."""
     if impl != "cobalt":
         return []
-    from ds_cobalt.integrations.layers import layer_cores
+    import ds_cobalt
 
-    return [core.schedule for core in layer_cores(model)]
+    return ds_cobalt.schedule_summary(model)
 
 
 if __name__ == "__main__":

@@ -101,12 +101,11 @@ class ProcessPlanner:
 
     def __init__(self, policy: str, module: str | None = None, start_timeout_s: float = 120.0) -> None:
         self._policy, self._module, self._start_timeout_s = policy, module, start_timeout_s
-        self._dir = Path(tempfile.mkdtemp(prefix="ds_cobalt_planner_"))
         self._proc: subprocess.Popen | None = None
         self._lines: queue.Queue[dict | None] = queue.Queue()
         self._ready = False
         self._request: Path | None = None
-        weakref.finalize(self, shutil.rmtree, self._dir, True)
+        self._remove_request: weakref.finalize | None = None  # removes the request's folder (once; also at exit)
         self._spawn()
 
     # ----- the process -----
@@ -198,7 +197,12 @@ class ProcessPlanner:
         if self._proc is None or self._proc.poll() is not None:
             self._stop()
             self._spawn()  # the retry after a worker that died or overran
-        self._request = self._dir / f"request-{tag}.npz"
+        self._forget_request()  # a request never collected
+        # one folder per request, removed by `collect` (or at exit, for a request never collected): a process that
+        # ends without atexit handlers (multiprocessing's children) then leaves nothing behind between re-plans
+        folder = tempfile.mkdtemp(prefix="ds_cobalt_planner_")
+        self._request = Path(folder) / f"request-{tag}.npz"
+        self._remove_request = weakref.finalize(self, shutil.rmtree, folder, True)
         write_request(self._request, layer_ids, stats, currents, tokens_per_step, params)
         assert self._proc is not None and self._proc.stdin is not None
         try:
@@ -232,30 +236,29 @@ class ProcessPlanner:
                     return {}, float(msg.get("seconds", 0.0)), msg["error"]
                 return read_result(result_path(request)), float(msg["seconds"]), None
         finally:
-            for path in (request, result_path(request)):
-                path.unlink(missing_ok=True)
+            self._forget_request()
 
     def close(self) -> None:
-        """Stop the worker without waiting for it: its exit (interpreter teardown, at its low priority while the
-        ranks fill the cores) took a training step 0.3-0.5 s longer when this waited. A reaper thread closes its
-        stdin, which ends it, and kills it if it is still there after `EXIT_GRACE_S`."""
+        """Stop the worker without waiting for it: SIGKILL, reaped in a thread. It holds nothing that needs an
+        orderly exit (results are renamed into place whole; the request folders are this process's), and an
+        orderly one costs: the interpreter's teardown after numba took ~0.5 s of CPU per worker here, which
+        slowed the training steps around it (the replanner closes the workers as soon as every layer settles on
+        the dense schedule, i.e. in the first steps of a fast-link job)."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            threading.Thread(target=_end_worker, args=(proc,), daemon=True, name="ds_cobalt-planner-reaper").start()
-        shutil.rmtree(self._dir, ignore_errors=True)
+            threading.Thread(target=_kill_worker, args=(proc,), daemon=True, name="ds_cobalt-planner-reaper").start()
+        self._request = None
+        self._forget_request()
+
+    def _forget_request(self) -> None:
+        remove, self._remove_request = self._remove_request, None
+        if remove is not None:
+            remove()
 
 
-EXIT_GRACE_S = 5.0
-
-
-def _end_worker(proc: subprocess.Popen) -> None:
-    try:
-        if proc.stdin is not None:
-            proc.stdin.close()  # end of stdin: the worker exits on its own
-        proc.wait(timeout=EXIT_GRACE_S)
-    except (OSError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait()
+def _kill_worker(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
 
 
 def make_planner(mode: str, policy: str, log: Any) -> LayerPlanner:

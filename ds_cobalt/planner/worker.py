@@ -11,8 +11,8 @@ Protocol (one JSON object per line on stdout; requests are file paths on stdin, 
 - per request `<path>` (written by `write_request`): the decisions go to `<path>.result.npz` (written to a
   temporary name and renamed, so a reader never sees half a file), then `{"done": "<path>", "seconds": s}` or
   `{"done": "<path>", "error": "<traceback>"}`.
-- end of stdin: it exits. It also dies with its parent (Linux `PR_SET_PDEATHSIG`), so a killed rank leaves no
-  planner behind.
+- end of stdin: it exits (`ProcessPlanner.close` kills it instead, which costs less CPU). It also dies with its
+  parent (Linux `PR_SET_PDEATHSIG`), so a killed rank leaves no planner behind.
 
 Files are plain `.npz` arrays read with `allow_pickle=False`: nothing here unpickles anything.
 The worker runs at a lower CPU priority (`os.nice`), so it takes cycles the training ranks leave idle first.

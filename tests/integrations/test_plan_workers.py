@@ -69,6 +69,8 @@ def test_worker_plans_what_the_training_process_would() -> None:
     planner = ProcessPlanner("cobalt")
     try:
         _submit(planner, "a", [0, 5])
+        folder = planner._request.parent
+        assert folder.is_dir()
         decisions, seconds, error = planner.collect(120)
         assert error is None and seconds > 0
         reqs = [_request(0), _request(5)]
@@ -78,9 +80,9 @@ def test_worker_plans_what_the_training_process_would() -> None:
             assert decisions[lid].action == d.action and decisions[lid].saving_s == d.saving_s
             np.testing.assert_array_equal(decisions[lid].slots_WS, d.slots_WS)
         assert any(d.action != 0 for d in expected.values())  # a real plan, not "keep"
-        assert list(planner._dir.iterdir()) == []  # request and result files are removed
+        assert not folder.exists()  # the request's folder, with request and result, is removed
         pid, t0 = planner._proc.pid, time.monotonic()
-        planner.close()  # returns at once; the worker ends on its own (end of stdin), reaped in a thread
+        planner.close()  # returns at once; the worker is killed and reaped in a thread
         assert time.monotonic() - t0 < 0.1 and planner._proc is None
         deadline = time.monotonic() + 30
         while _alive(pid) and time.monotonic() < deadline:
@@ -95,7 +97,7 @@ def test_failed_worker_is_reported_stopped_and_replaced(slow: Path, fault: str) 
     planner = ProcessPlanner("test_slow_shuffle", "slow_policy")
     try:
         _submit(planner, "1", [2], policy="test_slow_shuffle")
-        pid = planner._proc.pid
+        pid, folder = planner._proc.pid, planner._request.parent
         deadline = time.monotonic() + 60
         while not slow.exists() and time.monotonic() < deadline:  # the worker is inside the policy
             time.sleep(0.05)
@@ -107,7 +109,7 @@ def test_failed_worker_is_reported_stopped_and_replaced(slow: Path, fault: str) 
         assert decisions == {}
         assert error == ("the planner worker was killed by SIGKILL" if fault == "killed"
                          else "the planner worker ran past 1 s and was stopped")
-        assert time.monotonic() - t0 < 10 and not _alive(pid)
+        assert time.monotonic() - t0 < 10 and not _alive(pid) and not folder.exists()
         _submit(planner, "2", [2], policy="test_slow_shuffle")  # the next interval: a new worker, no sleep
         decisions, _, error = planner.collect(120)
         assert error is None and sorted(decisions) == [2] and planner._proc.pid != pid
@@ -161,7 +163,7 @@ def test_request_with_a_pickle_is_refused(tmp_path: Path) -> None:
     try:
         _submit(planner, "ok", [0])
         assert planner.collect(120)[2] is None
-        crafted = planner._dir / "request-evil.npz"
+        crafted = tmp_path / "request-evil.npz"
         np.savez(crafted, params=np.array([object()], dtype=object), layer_ids=np.array([object()], dtype=object))
         planner._request = crafted
         planner._proc.stdin.write(f"{crafted}\n")
