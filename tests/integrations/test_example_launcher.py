@@ -93,6 +93,7 @@ def test_deepspeed_impl(runs: Any) -> None:
     t = m["traffic"]
     # DeepSpeed sends its padded buffers: what it sends is what it would have sent
     assert t["inter_node_bytes"] == t["deepspeed_inter_node_bytes_padded"]
+    assert m["transport_schedules"] == [] and m["schedule_decisions"] == []
 
 
 def test_cobalt_impl(runs: Any) -> None:
@@ -109,6 +110,12 @@ def test_cobalt_impl(runs: Any) -> None:
     E = m["model"]["num_experts"]
     owners = layout.slots_LWS[:, :, : E // 4]
     assert (owners == contiguous_layout(E, 2, 2).slots_LWS[0]).all()
+    # `auto`'s state per MoE layer: 5 steps end inside its trials (no schedule yet), after the cost model's input
+    decisions = m["schedule_decisions"]
+    assert [row["layer"] for row in decisions] == list(range(len(m["transport_schedules"]))) and decisions
+    assert [row["schedule"] for row in decisions] == m["transport_schedules"]
+    for row in decisions:
+        assert set(row["model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}, row
 
 
 def test_cobalt_matches_deepspeed_loss(runs: Any) -> None:
