@@ -438,10 +438,12 @@ class LayerCore:
         chooser = self._chooser
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
-        if chooser.chosen is not None and (not decided or chooser.chosen != self._kept_schedule):
+        newly_decided = not decided and chooser.chosen is not None
+        # a chooser may start decided (one candidate, or only known times): its choice is kept all the same
+        if newly_decided or (decided and chooser.chosen != self._kept_schedule):
             self._kept_schedule = chooser.chosen
             self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
-        if not decided and chooser.chosen is not None and self.topology.rank == 0:
+        if newly_decided and self.topology.rank == 0:
             _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
                       "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,
                       {c: round(t, 5) for c, t in chooser.medians.items()}, list(chooser.screened) or "none",
