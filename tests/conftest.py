@@ -122,6 +122,9 @@ def _rank_main(
             dist.destroy_process_group()  # gloo aborts at exit otherwise
     except Exception:  # noqa: BLE001
         pass
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()  # what a multiprocessing child runs at its end (its finalizers)
     os._exit(0)  # skip interpreter teardown: nothing left to flush, and it can hang with live threads
 
 

@@ -14,6 +14,7 @@ policy the worker cannot import, such as one defined in `__main__`).
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import queue
 import shutil
@@ -24,7 +25,6 @@ import tempfile
 import threading
 import time
 import traceback
-import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -105,7 +105,7 @@ class ProcessPlanner:
         self._lines: queue.Queue[dict | None] = queue.Queue()
         self._ready = False
         self._request: Path | None = None
-        self._remove_request: weakref.finalize | None = None  # removes the request's folder (once; also at exit)
+        self._remove_request: multiprocessing.util.Finalize | None = None  # removes the request's folder (once)
         self._spawn()
 
     # ----- the process -----
@@ -198,11 +198,12 @@ class ProcessPlanner:
             self._stop()
             self._spawn()  # the retry after a worker that died or overran
         self._forget_request()  # a request never collected
-        # one folder per request, removed by `collect` (or at exit, for a request never collected): a process that
-        # ends without atexit handlers (multiprocessing's children) then leaves nothing behind between re-plans
+        # one folder per request, removed by `collect`, or at exit for a request never collected: multiprocessing's
+        # finalizers run at a normal exit and also in its children (mp.spawn-style ranks), which end with
+        # os._exit and skip atexit
         folder = tempfile.mkdtemp(prefix="ds_cobalt_planner_")
         self._request = Path(folder) / f"request-{tag}.npz"
-        self._remove_request = weakref.finalize(self, shutil.rmtree, folder, True)
+        self._remove_request = multiprocessing.util.Finalize(self, shutil.rmtree, args=(folder, True), exitpriority=0)
         write_request(self._request, layer_ids, stats, currents, tokens_per_step, params)
         assert self._proc is not None and self._proc.stdin is not None
         try:

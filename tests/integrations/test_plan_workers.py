@@ -195,3 +195,28 @@ def test_worker_dies_with_its_parent(tmp_path: Path) -> None:
         assert not _alive(worker)
     finally:
         parent.kill()
+
+
+_KEPT: list = []  # a planner alive at the child's exit, as an engine's is
+
+
+def _submit_and_exit(pipe) -> None:
+    planner = ProcessPlanner("cobalt")
+    _KEPT.append(planner)
+    _submit(planner, "12", [0])
+    pipe.send(str(planner._request.parent))
+
+
+def test_request_in_flight_at_a_multiprocessing_childs_exit_leaves_no_folder() -> None:
+    """mp.spawn-style ranks end with os._exit, which skips atexit: the folder of a request still in flight is
+    removed by multiprocessing's own exit finalizers."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_submit_and_exit, args=(send,))
+    child.start()
+    folder = Path(receive.recv())
+    child.join(60)
+    assert child.exitcode == 0
+    assert folder.name.startswith("ds_cobalt_planner_") and not folder.exists()
