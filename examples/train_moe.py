@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def schedule_decisions(impl: str, model) -> list[dict]:
     """Per ds_cobalt layer: the schedule in use (`transport.schedule`; None while `auto` is still timing), the
-    timings and the cost model's input of the last `auto` decision (`ds_cobalt.schedule_summary`)."""
+    timings and the cost model's input of the last `auto` decision, and every decision so far
+    (`ds_cobalt.schedule_summary`)."""
     if impl != "cobalt":
         return []
     import ds_cobalt

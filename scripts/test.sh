@@ -9,4 +9,4 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}
 # Lint first (check only; `ruff check --fix` / `ruff format` are for developers, not CI).
 "$PY" -m ruff check ds_cobalt tests benchmarks examples
 # pytest's own exit code is the result; 5 (no tests collected) fails too.
-OMP_NUM_THREADS=1 exec "$PY" -m pytest -ra tests "$@"
+OMP_NUM_THREADS=1 exec "$PY" -m pytest -ra --durations=15 tests "$@"

@@ -62,6 +62,11 @@ DENSE_MARGIN = 0.05
 # while single steps in separate jobs here spread by +-20% (in one, hierarchical's trial median was 0.83x dense's
 # and its re-timing ten steps later 1.27x)
 DISPUTED_DENSE_MARGIN = 0.30
+# the model must price a schedule's communication at least this much below dense's for DENSE_MARGIN to apply (else
+# DISPUTED_DENSE_MARGIN): below it the model cannot tell them apart (its step-time ratios miss by up to ~15 %,
+# `calibrate --compare`). At loopback here direct is priced 1 % below dense, and a 3-step median 7 % faster on noise
+# kept it for the rest of a job
+CLEAR_SAVING = 0.15
 # steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
 # ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
 SCHEDULE_WARMUP = 3
@@ -163,6 +168,9 @@ class LayerCore:
         # schedule, also when it comes while the previous re-timing is still running
         self._kept_schedule: str | None = None
         self._dense_seconds: float | None = None
+        self.forwards = 0  # forward passes run (training and eval)
+        # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
+        self.schedule_history: list[dict] = []
 
     # ----- groups and layout -----------------------------------------------------------------------
     def attach(self, groups: EPGroups) -> None:
@@ -244,6 +252,10 @@ class LayerCore:
         warmup = SCHEDULE_WARMUP if before is None else 1
         self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
                                                warmup)  # every layout
+        if known and before is not None and before.predicted:
+            # a re-timing against dense's earlier time runs no cost model: the last prediction sets its margin
+            # (`CLEAR_SAVING`; for the layout before, which the kept schedule's traffic only gains on)
+            self._chooser.predicted = dict(before.predicted)
 
     @staticmethod
     def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
@@ -253,7 +265,8 @@ class LayerCore:
         `known`: step seconds measured before, which need no trial."""
         return StepTimedChoice(candidates, warmup=warmup, prefer=DENSE, margin=DENSE_MARGIN,
                                screen_ratio=SCREEN_RATIO,
-                               agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN)
+                               agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN,
+                               clear_saving=CLEAR_SAVING)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule of the last decision,
@@ -347,6 +360,7 @@ class LayerCore:
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
         gate gives them; computed here otherwise), for the `dense` schedule."""
         topo = self.topology
+        self.forwards += 1
         if self._chooser.wants_model:
             self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
                                   capacity_is_local or locations_TK is None)
@@ -443,6 +457,8 @@ class LayerCore:
         if newly_decided or (decided and chooser.chosen != self._kept_schedule):
             self._kept_schedule = chooser.chosen
             self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
+            self.schedule_history.append({"forward": self.forwards, "schedule": chooser.chosen,
+                                          "timings_s": self.schedule_timings, "model": self.schedule_model})
         if newly_decided and self.topology.rank == 0:
             _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
                       "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,

@@ -134,17 +134,18 @@ class StepTimedChoice:
     rotated by r (no candidate always first); the lowest median wins, except that `prefer`
     (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
     its median): a close call on a noisy machine then stays with the safe candidate. Where the cost model
-    (`use_model`) predicts the winner's communication no cheaper than `prefer`'s, the winner must be faster by
-    `disputed_margin` instead: measurement and model disagree, so only a clear measurement replaces it. Every
+    (`use_model`) does not price the winner's communication at least `clear_saving` (a fraction) below `prefer`'s,
+    the winner must be faster by `disputed_margin` instead: the model sees no saving it can resolve, so only a clear
+    measurement replaces the safe candidate. Every
     rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
     repeats. The first candidate (the model's favourite, which also ran the warm-up) is never dropped, and
-    `prefer` only where the model also predicts it slower than the fastest: a slow outlier step can then cost
-    a speed-up, not the safe choice where it is the right one. With `agreed_ratio` (below `screen_ratio`), any
-    other candidate goes already past `agreed_ratio` times the fastest where the model also predicts it slower
-    than the fastest: measurement and model agree.
+    `prefer` only where the model also prices the fastest's communication at least `clear_saving` below its own: a
+    slow outlier step can then cost a speed-up, not the safe choice where it is the right one. With `agreed_ratio`
+    (below `screen_ratio`), any other candidate goes already past `agreed_ratio` times the fastest where the model
+    also predicts it slower than the fastest: measurement and model agree.
 
     `known` gives candidates whose step time is already measured (every rank's slowest, e.g. a schedule whose
     traffic the change that started this choice leaves as it was): they run no trials and enter the decision
@@ -152,12 +153,14 @@ class StepTimedChoice:
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
                  margin: float = 0.0, screen_ratio: float | None = None, agreed_ratio: float | None = None,
-                 known: dict[str, float] | None = None, disputed_margin: float | None = None) -> None:
+                 known: dict[str, float] | None = None, disputed_margin: float | None = None,
+                 clear_saving: float = 0.0) -> None:
         self.repeats = repeats
         self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
         self.disputed_margin = margin if disputed_margin is None else disputed_margin
+        self.clear_saving = clear_saving
         self.screen_ratio = screen_ratio
         self.agreed_ratio = screen_ratio if agreed_ratio is None else agreed_ratio
         self.screened: dict[str, float] = {}  # candidates dropped after the first round: their first trial (s)
@@ -259,7 +262,7 @@ class StepTimedChoice:
             if c == self.candidates[0]:
                 return False
             if c == self.prefer:
-                return model_agrees(c) and t > self.screen_ratio * best
+                return self._clearly_cheaper(fastest, c) and t > self.screen_ratio * best
             return t > self.screen_ratio * best or (model_agrees(c) and t > self.agreed_ratio * best)
 
         self.screened = {c: t for c, t in first.items() if dropped(c, t)}
@@ -274,17 +277,22 @@ class StepTimedChoice:
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self._decide_known()
 
+    def _clearly_cheaper(self, a: str, b: str) -> bool:
+        """The model prices `a`'s communication at least `clear_saving` below `b`'s."""
+        predicted = self.predicted
+        return a in predicted and b in predicted and predicted[a] < (1.0 - self.clear_saving) * predicted[b]
+
     def _decide_known(self) -> None:
         """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin` (or
-        `disputed_margin`, where the model prices the fastest's communication no lower than `prefer`'s)."""
+        `disputed_margin`, where the model prices the fastest's communication less than `clear_saving` below
+        `prefer`'s)."""
         timed = {c: t for c, t in self.medians.items() if c not in self.screened}
         self.medians = {**self.medians, **self.known}
         contenders = {**timed, **self.known}
         self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
-        predicted = self.predicted
-        disputed = self.chosen in predicted and self.prefer in predicted and (
-            predicted[self.chosen] >= predicted[self.prefer])
+        disputed = (self.chosen in self.predicted and self.prefer in self.predicted
+                    and not self._clearly_cheaper(self.chosen, self.prefer))
         margin = self.disputed_margin if disputed else self.margin
         if safe is not None and self.medians[self.chosen] > (1.0 - margin) * safe:
             self.chosen = self.prefer

@@ -90,8 +90,11 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     names = {name for name, _, step in written[1:]}
     assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_hierarchical" in names
     assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
+    # one candidate: decided in the first forward, without trials
     assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {},
-                                                         "model": {}, "stage2": None}]
+                                                         "model": {}, "stage2": None, "history": [
+                                                             {"forward": 1, "schedule": "hierarchical",
+                                                              "timings_s": {}, "model": {}}]}]
 
 
 def _default_body(rank: int, world: int) -> dict:
@@ -117,12 +120,16 @@ def _default_body(rank: int, world: int) -> dict:
         # a migration in the last steps may leave a re-timing running), and dense unless it was timed before (its
         # earlier time is carried over: `known`)
         out[f"{name}_next_candidates"], out[f"{name}_timed_dense"], out[f"{name}_kept"] = [], [], []
+        out[f"{name}_inherited_model"], out[f"{name}_decisions"] = [], []
         for layer in cobalt_layers(engine):
             out[f"{name}_timed_dense"].append(layer.cobalt_core._dense_seconds is not None)
             out[f"{name}_kept"].append(layer.cobalt_core._kept_schedule)
+            out[f"{name}_decisions"].append(list(layer.cobalt_core.schedule_history))
+            predicted = dict(layer.cobalt_core._chooser.predicted)
             layer.cobalt_core.install_layout(layer.layout_slots.copy())
             chooser = layer.cobalt_core._chooser
             out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
+            out[f"{name}_inherited_model"].append(chooser.predicted == predicted != {})
         engine.destroy()
     # a plan step while `auto` still times the schedules: the re-plan waits until every layer has chosen
     engine = build_engine("cobalt", 1, cobalt={"planner": {"replan_interval": 20, "first_replan_step": 2,
@@ -143,6 +150,8 @@ def _default_body(rank: int, world: int) -> dict:
 def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run_ranks) -> None:
     import numpy as np
 
+    from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
+
     for out in run_ranks(_default_body, 4, ranks_per_node=2, timeout=400):
         for name in ("auto", "hierarchical"):
             np.testing.assert_allclose(out[name], out["deepspeed"], rtol=1e-5, atol=1e-6)
@@ -160,14 +169,23 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
-        for schedule, (candidates, known), timed_dense in zip(out["auto_kept"], out["auto_next_candidates"],
-                                                              out["auto_timed_dense"]):
+        for schedule, (candidates, known), timed_dense, inherited in zip(
+                out["auto_kept"], out["auto_next_candidates"], out["auto_timed_dense"], out["auto_inherited_model"]):
             if schedule == "dense":
                 assert (candidates, known) == (["dense"], {}), (candidates, known)
-            elif timed_dense:
+            elif timed_dense:  # a re-timing against dense's time: no cost model of its own, the last one's margin
                 assert candidates == [schedule] and list(known) == ["dense"], (schedule, candidates, known)
+                assert inherited
             else:
                 assert candidates == [schedule, "dense"] and not known, (schedule, candidates, known)
+        for schedule, decisions in zip(out["auto_kept"], out["auto_decisions"]):
+            # every decision, in the order made: the first after the warm-up and trials, on the cost model's
+            # predictions for all three candidates; the last is the schedule kept
+            first, last = decisions[0], decisions[-1]
+            assert first["forward"] > SCHEDULE_WARMUP + 1, decisions
+            assert set(first["model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}, decisions
+            assert last["schedule"] == schedule and all(d["schedule"] for d in decisions), decisions
+            assert [d["forward"] for d in decisions] == sorted({d["forward"] for d in decisions}), decisions
         assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
         assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
         early = out["early"]
