@@ -63,10 +63,10 @@ DENSE_MARGIN = 0.05
 # and its re-timing ten steps later 1.27x)
 DISPUTED_DENSE_MARGIN = 0.30
 # the model must price a schedule's communication at least this much below dense's for DENSE_MARGIN to apply (else
-# DISPUTED_DENSE_MARGIN): below it the model cannot tell them apart (its step-time ratios miss by up to ~15 %,
-# `calibrate --compare`). At loopback here direct is priced 1 % below dense, and a 3-step median 7 % faster on noise
-# kept it for the rest of a job
-CLEAR_SAVING = 0.15
+# DISPUTED_DENSE_MARGIN): the close calls seen on fast links were priced within 2 % of dense (at loopback direct 1 %
+# below it, and a 3-step median 7 % faster on noise kept it for the rest of a job), the clear wins at 100 Mbit/s
+# 19-23 % (default model) and 53-70 % (fine-grained) below it
+CLEAR_SAVING = 0.10
 # steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
 # ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
 SCHEDULE_WARMUP = 3
