@@ -5,7 +5,9 @@ Run once per set of groups (cached), on every rank of the EP group at the same p
 - across nodes: an all-to-all of `probe_bytes` per peer on the rail group (ranks with this local index on
   every node), bytes/s = bytes this rank sends / (time - fixed cost);
 - inside a node: the same on the node group.
-Each is the median of `repeats` timed calls after one warm-up; the slowest rank's numbers are agreed by one
+Each is the fastest of `repeats` timed calls after one warm-up: on a shared machine other work only ever slows a
+call down, so the fastest is the link's own time (the median of 3 moved 2x between jobs at loopback here, and the
+cost model then priced dense's extra bytes as a clear loss). The slowest rank's numbers are agreed by one
 all-reduce (MAX of the times), so every rank holds the same `LinkCosts`. The migration cost model reads its
 link speed from here (unless `migration.inter_node_gbps` is set), and the numbers are logged and reported.
 """
@@ -58,10 +60,10 @@ def _timed_all_to_all(numel: int, group: dist.ProcessGroup | None, device: torch
             torch.cuda.synchronize(device)
         if i:  # the first call is a warm-up
             times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
-def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 << 10, repeats: int = 3) -> LinkCosts:
+def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 << 10, repeats: int = 5) -> LinkCosts:
     """The cached `LinkCosts` of `groups` (module docstring); collective on the EP group the first time."""
     key = (groups.ep_ranks, groups.topology.ranks_per_node, probe_bytes, device.type)
     if key in _CACHE:
