@@ -255,15 +255,13 @@ class StepTimedChoice:
         best = float(first_t.min())
         fastest = self.candidates[int(first_t.argmin())]
 
-        def model_agrees(c: str) -> bool:  # the model, too, predicts `c` slower than the fastest
-            return bool(self.predicted) and self.predicted.get(c, 0.0) > self.predicted.get(fastest, 0.0)
-
         def dropped(c: str, t: float) -> bool:
             if c == self.candidates[0]:
                 return False
-            if c == self.prefer:
-                return self._clearly_cheaper(fastest, c) and t > self.screen_ratio * best
-            return t > self.screen_ratio * best or (model_agrees(c) and t > self.agreed_ratio * best)
+            if c == self.prefer:  # the safe choice goes only where the model prices it clearly above the fastest
+                return self._priced_below(fastest, c, self.clear_saving) and t > self.screen_ratio * best
+            # any other one sooner where the model, too, prices it above the fastest
+            return t > self.screen_ratio * best or (self._priced_below(fastest, c) and t > self.agreed_ratio * best)
 
         self.screened = {c: t for c, t in first.items() if dropped(c, t)}
         kept = [c for c in self.candidates if c not in self.screened]
@@ -277,10 +275,10 @@ class StepTimedChoice:
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self._decide_known()
 
-    def _clearly_cheaper(self, a: str, b: str) -> bool:
-        """The model prices `a`'s communication at least `clear_saving` below `b`'s."""
+    def _priced_below(self, a: str, b: str, saving: float = 0.0) -> bool:
+        """The model prices `a`'s communication more than `saving` (a fraction) below `b`'s; False without both."""
         predicted = self.predicted
-        return a in predicted and b in predicted and predicted[a] < (1.0 - self.clear_saving) * predicted[b]
+        return a in predicted and b in predicted and predicted[a] < (1.0 - saving) * predicted[b]
 
     def _decide_known(self) -> None:
         """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin` (or
@@ -292,7 +290,7 @@ class StepTimedChoice:
         self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         disputed = (self.chosen in self.predicted and self.prefer in self.predicted
-                    and not self._clearly_cheaper(self.chosen, self.prefer))
+                    and not self._priced_below(self.chosen, self.prefer, self.clear_saving))
         margin = self.disputed_margin if disputed else self.margin
         if safe is not None and self.medians[self.chosen] > (1.0 - margin) * safe:
             self.chosen = self.prefer
