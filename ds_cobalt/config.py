@@ -62,7 +62,12 @@ class PlannerConfig(_Section):
     `stage2`: `"step"` refills the spare slots that hold no cross-node traffic copy in every forward of the
     hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the replicas the
     re-plan chose until the next one; `"auto"` (default) times both on the layer's next steps after each layout
-    change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree)."""
+    change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree).
+    `plan_before_trials`: right after step 1, plan the layers whose `auto` cost model expects a schedule that gains
+    from the layout (it prices hierarchical or direct at least 10 % below dense, `LayerCore.expects_layout_gain`),
+    applied before their schedule trials start (after step 3 at the latest), so the trials time, and the first
+    dozen steps run, a planned layout instead of the contiguous one (one step of statistics: the planner samples
+    at most `sample_tokens` recent rows per rank anyway)."""
 
     replan_interval: int = Field(default=50, ge=0)
     first_replan_step: int | None = Field(default=None, ge=1)
@@ -75,6 +80,7 @@ class PlannerConfig(_Section):
     plan_timeout_s: float = Field(default=300.0, gt=0)
     stage2: Literal["auto", "step", "interval"] = "auto"
     early_replans: bool = True
+    plan_before_trials: bool = True
 
     @field_validator("policy")
     @classmethod

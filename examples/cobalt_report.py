@@ -90,8 +90,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     split = first if first is not None else len(per_step["sent"])
     before, after = slice(1, split), slice(split, None)  # step 1 (lazy init, `auto`'s first trial) left out
     out = {"replans": [h.get("planned_after_step", h["step"]) for h in history],
-           "replan_dense_skipped": sum(len(h["dense_skipped"]) for h in history),
-           "replan_layers": sum(h["layers"] for h in history),
+           "replans_before_trials": [h["planned_after_step"] for h in history if h.get("before_trials")],
+           # (the plan before `auto`'s trials leaves out the layers whose cost model expects no gain, not dense ones)
+           "replan_dense_skipped": sum(len(h["dense_skipped"]) for h in history if not h.get("before_trials")),
+           "replan_layers": sum(h["layers"] for h in history if not h.get("before_trials")),
            "replans_skipped_dense": list(replanner.dense_skips) if replanner is not None else [],
            "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
@@ -120,7 +122,9 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     elif not s["replans"]:
         print("  re-plans            none (planner.replan_interval = 0, or the run ended before the first)")
     else:
-        print(f"  re-plans            after steps {', '.join(map(str, s['replans']))} (worker processes; slowest "
+        before = set(s.get("replans_before_trials", []))
+        steps = ", ".join(f"{g} (before `auto`'s schedule trials)" if g in before else str(g) for g in s["replans"])
+        print(f"  re-plans            after steps {steps} (worker processes; slowest "
               f"rank's share {max(s['replan_slowest_share_s']):.2f} s)")
         if s["replan_dense_skipped"]:
             print(f"                      {s['replan_dense_skipped']} of {s['replan_layers']} layer plans left out: "

@@ -11,6 +11,10 @@ per-step collectives):
   co-activation,
   token count and up to B recent top-k rows per rank; statistics reset; rank r hands layers r, r + R, ...
   to its planner worker process (`plan_workers.py`), which runs at a lower CPU priority.
+- after step 1 (`planner.plan_before_trials`), while `auto` still makes the layers' first schedule choices: the
+  same for the layers whose cost model expects a schedule that gains from the layout
+  (`LayerCore.expects_layout_gain`), applied after step min(1 + apply_lag, SCHEDULE_WARMUP), before their trials
+  start (a layout change restarts them).
 - after step s + apply_lag: each rank waits at most `plan_timeout_s` for its worker; one all_reduce (sum)
   of the per-layer decisions, each filled in by the one rank that planned it, gives every rank all of them;
   every rank applies them (replica-only changes with `set_layout`, owner changes with `migrate`). A layer
@@ -35,7 +39,7 @@ from deepspeed.utils import logger
 from ..config import CobaltConfig
 from ..planner import LinkModel
 from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
-from ..runtime.layer import LayerCore
+from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
@@ -46,6 +50,9 @@ __all__ = ["Replanner", "KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecis
 
 
 WORKER_LEAD_STEPS = 10  # a planner not running (stopped, or not started with the engine) starts this many steps early
+# the step after which the plan before `auto`'s trials runs: the cost model has priced every layer's schedules in
+# step 1's forward, and its layout can be applied before the trials start after step SCHEDULE_WARMUP
+BEFORE_TRIALS_STEP = 1
 
 
 class Replanner:
@@ -190,6 +197,10 @@ class Replanner:
             self._ensure_planner()
         if self._apply_at is not None and step >= self._apply_at:
             self._apply(engine)
+        if self._plan_before_trials(engine, step):
+            if plan_due and self._deferred_from is None:  # a re-plan due now waits as for any plan in flight
+                self._deferred_from = step
+            return
         if not plan_due:
             return
         waited = 0 if self._deferred_from is None else step - self._deferred_from
@@ -207,6 +218,20 @@ class Replanner:
         self._start(engine, step)
         if self.cfg.effective_apply_lag == 0:
             self._apply(engine)
+
+    def _plan_before_trials(self, engine: Any, step: int) -> bool:
+        """Start the plan before `auto`'s trials where it is due after `step` (module docstring); whether it started.
+        Every rank sees the same predictions (computed from gathered routes), so all agree."""
+        if (step != BEFORE_TRIALS_STEP or not self.cfg.plan_before_trials or self._apply_at is not None
+                or self._first_choices_made()):
+            return False
+        skipped = [i for i, layer in enumerate(self.layers) if not layer.expects_layout_gain]
+        if len(skipped) == len(self.layers):
+            return False
+        self._start(engine, step, skipped=skipped, apply_lag=min(self.cfg.effective_apply_lag, SCHEDULE_WARMUP - step))
+        if self._apply_at == step:
+            self._apply(engine)
+        return True
 
     def _end_deferral(self, step: int) -> int | None:
         """The plan step whose re-plan waited and now starts, or is skipped, after `step` (listed in `deferred`);
@@ -251,19 +276,24 @@ class Replanner:
                                   samples_RBK[keep_RB], src_RB[keep_RB]))
         return out
 
-    def _start(self, engine: Any, step: int) -> None:
+    def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None) -> None:
+        """Gather the statistics and hand this rank's layers (all but `skipped`; default: those on the dense
+        schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`)."""
         t0 = time.perf_counter()
         stats = self._gather()
         self.stats_since_step = step  # the statistics now count from here
-        self._start_s = {"planned_after_step": step, "gather_s": time.perf_counter() - t0}
-        self._apply_at = step + self.cfg.effective_apply_lag
+        self._start_s = {"planned_after_step": step, "gather_s": time.perf_counter() - t0,
+                         "before_trials": skipped is not None}
+        self._apply_at = step + (self.cfg.effective_apply_lag if apply_lag is None else apply_lag)
         world = dist.get_world_size() if dist.is_initialized() else 1
         topo = self.layers[0].topology
         ep_groups = max(1, world // topo.world_size)
         # A layer on the dense schedule sends DeepSpeed's padded blocks whatever the layout: a new one saves
         # nothing and would only restart `auto`'s timing. (All ranks agree on each layer's schedule.)
-        self._skipped = [] if self.mig.ignore_cost_model else [
-            i for i, layer in enumerate(self.layers) if layer.settled_dense]
+        if skipped is None:
+            skipped = [] if self.mig.ignore_cost_model else [
+                i for i, layer in enumerate(self.layers) if layer.settled_dense]
+        self._skipped = skipped
         mine = [i for i in self._mine if i not in self._skipped]
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
@@ -350,8 +380,11 @@ class Replanner:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: {int(planned.sum())} of {L} layer(s) "
                         f"planned on {min(world, L)} rank(s), slowest share {slowest:.2f} s"
                         + (f"; layers {missing} keep their layout" if missing else "")
-                        + (f"; layers {self._skipped} run the dense schedule (traffic independent of the layout) "
-                           "and keep theirs" if self._skipped else ""))
+                        + (f"; layers {self._skipped} keep theirs ("
+                           + ("before the schedule trials: their cost model expects no gain from a layout)"
+                              if self._start_s.get("before_trials") else
+                              "they run the dense schedule: traffic independent of the layout)")
+                           if self._skipped else ""))
         to_migrate: list[np.ndarray | None] = [None] * L
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
             if action == REPLICAS:

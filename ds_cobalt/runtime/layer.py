@@ -312,6 +312,19 @@ class LayerCore:
         return self.schedule == DENSE
 
     @property
+    def expects_layout_gain(self) -> bool:
+        """Before `auto`'s first choice for this layer: whether its cost model rules dense out or prices a schedule
+        whose traffic follows the layout (hierarchical, direct) at least `CLEAR_SAVING` below dense's. The replanner
+        then plans the layer before its trials start (`planner.plan_before_trials`), so they time the layout it
+        will run, not the contiguous one."""
+        chooser = self._chooser
+        if chooser is None or self.first_schedule_chosen or not chooser.predicted:
+            return False
+        if DENSE in chooser.pruned:
+            return True
+        return any(c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
+
+    @property
     def stage2(self) -> str | None:
         """Stage 2 in use for this layout: "step" (refilled every forward), "interval" (the re-plan's replicas),
         None while `auto` times both, or when there is no spare slot to refill."""

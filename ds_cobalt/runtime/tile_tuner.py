@@ -259,9 +259,9 @@ class StepTimedChoice:
             if c == self.candidates[0]:
                 return False
             if c == self.prefer:  # the safe choice goes only where the model prices it clearly above the fastest
-                return self._priced_below(fastest, c, self.clear_saving) and t > self.screen_ratio * best
+                return self.priced_below(fastest, c, self.clear_saving) and t > self.screen_ratio * best
             # any other one sooner where the model, too, prices it above the fastest
-            return t > self.screen_ratio * best or (self._priced_below(fastest, c) and t > self.agreed_ratio * best)
+            return t > self.screen_ratio * best or (self.priced_below(fastest, c) and t > self.agreed_ratio * best)
 
         self.screened = {c: t for c, t in first.items() if dropped(c, t)}
         kept = [c for c in self.candidates if c not in self.screened]
@@ -275,7 +275,7 @@ class StepTimedChoice:
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self._decide_known()
 
-    def _priced_below(self, a: str, b: str, saving: float = 0.0) -> bool:
+    def priced_below(self, a: str, b: str, saving: float = 0.0) -> bool:
         """The model prices `a`'s communication more than `saving` (a fraction) below `b`'s; False without both."""
         predicted = self.predicted
         return a in predicted and b in predicted and predicted[a] < (1.0 - saving) * predicted[b]
@@ -290,7 +290,7 @@ class StepTimedChoice:
         self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         disputed = (self.chosen in self.predicted and self.prefer in self.predicted
-                    and not self._priced_below(self.chosen, self.prefer, self.clear_saving))
+                    and not self.priced_below(self.chosen, self.prefer, self.clear_saving))
         margin = self.disputed_margin if disputed else self.margin
         if safe is not None and self.medians[self.chosen] > (1.0 - margin) * safe:
             self.chosen = self.prefer

@@ -98,6 +98,8 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
 
 
 def _default_body(rank: int, world: int) -> dict:
+    import numpy as np
+
     from ds_cobalt.integrations.engine import cobalt_layers
     from ds_cobalt.integrations.replan import Replanner
 
@@ -110,8 +112,8 @@ def _default_body(rank: int, world: int) -> dict:
         engine = build_engine("cobalt", 1, cobalt=cobalt)
         out[name] = train(engine, steps)
         (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
-        out[f"{name}_history"] = [(h["planned_after_step"], h["step"], h["planned"], h["dense_skipped"])
-                                  for h in hook.history]
+        out[f"{name}_history"] = [(h["planned_after_step"], h["step"], h["planned"], h["dense_skipped"],
+                                   h["before_trials"]) for h in hook.history]
         out[f"{name}_dense_skips"] = list(hook.dense_skips)
         out[f"{name}_deferred"] = list(hook.deferred)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
@@ -142,7 +144,38 @@ def _default_body(rank: int, world: int) -> dict:
     out["early_losses"] = train(engine, range(16), before_step=record)
     (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
     out["early"] = {"chosen_after": chosen_after, "deferred": list(hook.deferred),
-                    "dense_skips": list(hook.dense_skips), "starts": [h["planned_after_step"] for h in hook.history]}
+                    "dense_skips": list(hook.dense_skips),
+                    "starts": [h["planned_after_step"] for h in hook.history if not h["before_trials"]]}
+    engine.destroy()
+    # a slow link (the probe's cross-node rate replaced by 1.6 Mbit/s, for the tiny rows here): the cost model
+    # prices the layout-dependent schedules below dense, so the layers are planned after step 1 and their layout is
+    # applied after step 3, before their trials start
+    import ds_cobalt.runtime.layer as layer_module
+    from ds_cobalt.runtime.link_probe import LinkCosts
+
+    real_probe = layer_module.probe_links
+
+    def slow_probe(groups, device, *args, **kwargs):
+        costs = real_probe(groups, device, *args, **kwargs)
+        return LinkCosts(fixed_s=costs.fixed_s, inter_node_bytes_per_s=2e5,
+                         intra_node_bytes_per_s=costs.intra_node_bytes_per_s, probe_bytes=costs.probe_bytes)
+
+    layer_module.probe_links = slow_probe
+    try:
+        engine = build_engine("cobalt", 1)
+        slots: list[list] = []
+        out["slow_losses"] = train(engine, range(20), before_step=lambda e, step: slots.append(
+            [layer.layout_slots.copy() for layer in cobalt_layers(e)]))
+    finally:
+        layer_module.probe_links = real_probe
+    (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
+    out["slow"] = {"history": [(h["planned_after_step"], h["step"], h["planned"], h["before_trials"])
+                               for h in hook.history],
+                   "changed_at": [next((g for g in range(1, len(slots)) if not np.array_equal(
+                       slots[g][i], slots[g - 1][i])), None) for i in range(len(slots[0]))],
+                   "first_decisions": [layer.cobalt_core.schedule_history[0]["forward"]
+                                       for layer in cobalt_layers(engine)],
+                   "models": [layer.cobalt_core.schedule_history[0]["model"] for layer in cobalt_layers(engine)]}
     engine.destroy()
     return out
 
@@ -161,6 +194,9 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             # (its step in dense_skips)
             # (a re-plan due while `auto` still timed a layer's schedules starts once they are chosen: `deferred`)
             started = dict((start, due) for due, start in out[f"{name}_deferred"])
+            # (a layer whose cost model expected a gain from a layout: planned after step 1, applied after step 3)
+            assert all(h[:2] == (1, 3) for h in history if h[4]) and all(not h[4] for h in history[1:]), history
+            history = [h for h in history if not h[4]]
             plans = ((12, 17), (25, 30), (50, 55))
             assert all((started.get(h[0], h[0]), h[1] - h[0] + started.get(h[0], h[0])) in plans
                        and h[2] + len(h[3]) == 2 for h in history), history
@@ -197,6 +233,14 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
         assert early["deferred"][0] == (2, ready), early
         assert [h[:2] for h in out["hierarchical_history"]] == [(12, 17), (25, 30), (50, 55)]
         assert all(h[3] == [] for h in out["hierarchical_history"])
+        slow = out["slow"]
+        np.testing.assert_allclose(out["slow_losses"], out["deepspeed"][:20], rtol=1e-5, atol=1e-6)
+        assert slow["history"] and slow["history"][0] == (1, 3, 2, True), slow  # both layers, before the trials
+        assert all(not h[3] for h in slow["history"][1:]), slow
+        # the layout (one spare slot filled at least) arrives before the first timed step, and the first decision
+        # comes after the trials on it (a warm-up step and three rounds)
+        assert slow["changed_at"] == [3, 3], slow
+        assert all(f > SCHEDULE_WARMUP + 2 for f in slow["first_decisions"]), slow
 
 
 def _stage2_auto_body(rank: int, world: int) -> dict:
@@ -257,7 +301,7 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
 
     for settles_on, started, skipped in (("dense", [], [6]), ("hierarchical", [6], [])):
         layer = types.SimpleNamespace(settled_dense=False, schedule=None, first_schedule_chosen=False,
-                                      stats=types.SimpleNamespace(reset=lambda: None))
+                                      expects_layout_gain=False, stats=types.SimpleNamespace(reset=lambda: None))
         hook = replanner(layer)
         for step in range(1, 8):
             if step == 6:  # `auto`'s first choice, made during step 6
@@ -265,3 +309,40 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
                 layer.settled_dense = settles_on == "dense"
             hook(types.SimpleNamespace(global_steps=step))
         assert (hook.started, hook.dense_skips, hook.deferred) == (started, skipped, [(4, 6)]), settles_on
+
+
+def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
+    """The timeline alone (one process, stand-in layers): after step 1, while `auto` makes its first choices, the
+    layers whose cost model expects a gain from the layout are planned (the others left out), applied before the
+    trials start (after step SCHEDULE_WARMUP at the latest); nothing of the kind where no layer expects a gain,
+    where `plan_before_trials` is off, or where the first choices are made already."""
+    import types
+
+    from ds_cobalt.config import MigrationConfig, PlannerConfig
+    from ds_cobalt.integrations.replan import Replanner
+    from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
+
+    def run(gains: list[bool], chosen: bool = False, **planner) -> list[tuple]:
+        layers = [types.SimpleNamespace(settled_dense=False, schedule="dense" if chosen else None,
+                                        first_schedule_chosen=chosen, expects_layout_gain=gain,
+                                        stats=types.SimpleNamespace(reset=lambda: None)) for gain in gains]
+        hook = Replanner.__new__(Replanner)
+        hook.layers, hook.mig, hook.cfg = layers, MigrationConfig(), PlannerConfig(**planner)
+        hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
+        hook._interval, hook._early = hook.cfg.replan_interval, hook.cfg.early_replan_steps
+        hook.dense_skips, hook.deferred, hook.history, started = [], [], [], []
+
+        def start(engine, step, skipped=None, apply_lag=None):
+            started.append((step, skipped, apply_lag))
+            hook._apply_at = step + (hook.cfg.effective_apply_lag if apply_lag is None else apply_lag)
+
+        hook._start, hook._apply = start, lambda engine: setattr(hook, "_apply_at", None)
+        for step in range(1, 6):
+            hook(types.SimpleNamespace(global_steps=step))
+        return started
+
+    assert run([True, False]) == [(1, [1], SCHEDULE_WARMUP - 1)]  # applied after step 3, before the trials
+    assert run([False, True], apply_lag=1) == [(1, [0], 1)]
+    assert run([False, False]) == []
+    assert run([True], plan_before_trials=False) == []
+    assert run([True], chosen=True) == []  # a fixed schedule, or a resumed run: the usual first re-plan only

@@ -452,6 +452,29 @@ def test_step_timed_choice_follows_the_model() -> None:
     assert alone.chosen == "hierarchical" and alone.candidates == ["hierarchical"]
 
 
+@pytest.mark.parametrize("predicted, pruned, expected", [
+    ({"hierarchical": 0.8, "direct": 0.95, "dense": 1.0}, [], True),  # 20 % below dense: a layout pays
+    ({"hierarchical": 0.95, "direct": 0.92, "dense": 1.0}, [], False),  # within CLEAR_SAVING of dense
+    ({"hierarchical": 1.5, "direct": 2.0, "dense": 1.0}, [], False),  # dense is the favourite
+    ({"hierarchical": 0.3, "direct": 2.0, "dense": 1.0}, ["hierarchical"], False),  # only a pruned one would gain
+    ({"hierarchical": 0.5, "direct": 0.6, "dense": 5.0}, ["dense"], True),  # dense ruled out
+])
+def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predicted, pruned, expected) -> None:
+    """`LayerCore.expects_layout_gain` (the plan before `auto`'s trials): the model prices a layout-dependent
+    schedule at least CLEAR_SAVING below dense, or rules dense out; never without a model or after the choice."""
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    core = LayerCore.__new__(LayerCore)
+    core._kept_schedule = None
+    core._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
+    assert not core.expects_layout_gain  # no model yet
+    core._chooser.use_model(predicted, pruned)
+    assert core.expects_layout_gain is expected
+    core._kept_schedule = "hierarchical"  # the first choice is made: the usual re-plans take over
+    assert not core.expects_layout_gain
+
+
 def _routing(rng, E: int, K: int, W: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Skewed routes (a few hot experts), `tokens` per rank."""
     weights = rng.dirichlet(np.full(E, 0.5))
