@@ -1,6 +1,6 @@
 """How well each layout a run used serves the routing of other stretches of the same run.
 
-    python benchmarks/layout_drift.py RUN_DIR [--gpus-per-node 2] [--windows 0:1 2:12 13:25 30:55]
+    python benchmarks/layout_drift.py RUN_DIR [--windows 0:1 2:12 13:25 30:55]
 
 `RUN_DIR` is one job of `benchmarks/e2e_cluster.py` (or `examples/train_moe.py --metrics-out RUN_DIR/metrics.json
 --trace-out RUN_DIR/trace.npz`): `metrics.json` lists every layout the layers used with the step it served from
@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ds_cobalt.planner.decisions import cross_node_per_token
+from ds_cobalt.planner.layout import layout_from_dict
+from ds_cobalt.planner.trace import load_trace
 
 
 def step_rows(source_rank_T: np.ndarray, steps: int) -> list[np.ndarray]:
@@ -34,17 +36,17 @@ def step_rows(source_rank_T: np.ndarray, steps: int) -> list[np.ndarray]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--windows", nargs="*", default=None, help="a:b step windows (0-based, b excluded)")
     args = p.parse_args(argv)
     metrics = json.loads((args.run_dir / "metrics.json").read_text())
-    trace = np.load(args.run_dir / "trace.npz")
-    experts_LTK, source_T = trace["experts"], trace["source_rank"]
+    trace = load_trace(args.run_dir / "trace.npz")
     steps = len(metrics["step_times_s"])
-    layouts = metrics.get("layouts")
-    if not layouts:
+    recorded = metrics.get("layouts")
+    if not recorded:
         raise SystemExit(f"{args.run_dir / 'metrics.json'}: no `layouts` (a ds_cobalt run of examples/train_moe.py)")
-    starts = [int(entry["from_step"]) for entry in layouts]
+    starts = [int(entry["from_step"]) for entry in recorded]
+    layouts = [layout_from_dict(entry["layout"], source="metrics layouts") for entry in recorded]
+    experts_LTK, source_T = trace.experts_LTK, trace.source_ranks(layouts[0].world_size)
     if args.windows:
         windows = [tuple(int(v) for v in w.split(":")) for w in args.windows]
     else:
@@ -60,9 +62,9 @@ def main(argv: list[str] | None = None) -> None:
             rows = np.concatenate(by_step[a:b])
             in_use = max(i for i, s in enumerate(starts) if s <= a)
             cells = []
-            for i, entry in enumerate(layouts):
-                slots = np.asarray(entry["layout"]["layers"][layer]["slots"])
-                value = cross_node_per_token(experts_LTK[layer, rows], source_T[rows], slots, args.gpus_per_node)
+            for i, layout in enumerate(layouts):
+                value = cross_node_per_token(experts_LTK[layer, rows], source_T[rows], layout.layer(layer),
+                                             layout.gpus_per_node)
                 cells.append(f"{value:.3f}" + ("*" if i == in_use else ""))
             print(f"| {a}-{b - 1} | " + " | ".join(cells) + " |")
 

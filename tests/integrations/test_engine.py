@@ -279,22 +279,30 @@ def test_stage2_auto_times_step_and_interval_and_matches_deepspeed(run_ranks) ->
     assert all(out["stage2"] == results[0]["stage2"] for out in results)  # every rank agrees
 
 
+def _timeline_replanner(layers: list, cfg):
+    """A `Replanner` over stand-in layers with no planner, engine or process group: its step timeline alone."""
+    from ds_cobalt.config import MigrationConfig
+    from ds_cobalt.integrations.replan import Replanner
+
+    hook = Replanner.__new__(Replanner)
+    hook.layers, hook.mig, hook.cfg = layers, MigrationConfig(), cfg
+    hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
+    hook._interval, hook._early = cfg.replan_interval, cfg.early_replan_steps
+    hook.dense_skips, hook.deferred, hook.history = [], [], []
+    return hook
+
+
 def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
     """The timeline alone (one process, stand-in layers): a plan step while `auto` still makes a layer's first
     choice waits; it starts once every layer has chosen, or is skipped (and still listed as deferred) where every
     layer settled on dense."""
     import types
 
-    from ds_cobalt.config import MigrationConfig, PlannerConfig
+    from ds_cobalt.config import PlannerConfig
     from ds_cobalt.integrations.replan import Replanner
 
     def replanner(layer) -> Replanner:
-        hook = Replanner.__new__(Replanner)
-        hook.layers, hook.mig = [layer], MigrationConfig()
-        hook.cfg = PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1)
-        hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
-        hook._interval, hook._early = hook.cfg.replan_interval, hook.cfg.early_replan_steps
-        hook.dense_skips, hook.deferred, hook.history = [], [], []
+        hook = _timeline_replanner([layer], PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1))
         hook.started = []
         hook._start = lambda engine, step: hook.started.append(step)
         return hook
@@ -318,19 +326,14 @@ def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gai
     where `plan_before_trials` is off, or where the first choices are made already."""
     import types
 
-    from ds_cobalt.config import MigrationConfig, PlannerConfig
-    from ds_cobalt.integrations.replan import Replanner
+    from ds_cobalt.config import PlannerConfig
     from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
 
     def run(gains: list[bool], chosen: bool = False, **planner) -> list[tuple]:
         layers = [types.SimpleNamespace(settled_dense=False, schedule="dense" if chosen else None,
                                         first_schedule_chosen=chosen, expects_layout_gain=gain,
                                         stats=types.SimpleNamespace(reset=lambda: None)) for gain in gains]
-        hook = Replanner.__new__(Replanner)
-        hook.layers, hook.mig, hook.cfg = layers, MigrationConfig(), PlannerConfig(**planner)
-        hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
-        hook._interval, hook._early = hook.cfg.replan_interval, hook.cfg.early_replan_steps
-        hook.dense_skips, hook.deferred, hook.history, started = [], [], [], []
+        hook, started = _timeline_replanner(layers, PlannerConfig(**planner)), []
 
         def start(engine, step, skipped=None, apply_lag=None):
             started.append((step, skipped, apply_lag))
