@@ -67,7 +67,13 @@ class PlannerConfig(_Section):
     from the layout (it prices hierarchical or direct at least 10 % below dense, `LayerCore.expects_layout_gain`),
     applied before their schedule trials start (after step 3 at the latest), so the trials time, and the first
     dozen steps run, a planned layout instead of the contiguous one (one step of statistics: the planner samples
-    at most `sample_tokens` recent rows per rank anyway)."""
+    at most `sample_tokens` recent rows per rank anyway).
+    `confirm_on_newer_routing`: the decisions are checked, when applied, on the rows routed since the plan's sample
+    (the latest `sample_tokens` per rank, gathered in the same all_reduce as the decisions): a layer keeps its
+    layout where a replica change is worse on them, or where a migration no longer pays at its per-token gain less
+    two standard errors. Early in training the routing moves within a few steps, and a plan that fitted its
+    sample can be worse than the current layout on the steps that follow (docs/planner.md). Off where
+    `migration.ignore_cost_model` is on, and with `apply_lag` 0 (no newer rows)."""
 
     replan_interval: int = Field(default=50, ge=0)
     first_replan_step: int | None = Field(default=None, ge=1)
@@ -81,6 +87,7 @@ class PlannerConfig(_Section):
     stage2: Literal["auto", "step", "interval"] = "auto"
     early_replans: bool = True
     plan_before_trials: bool = True
+    confirm_on_newer_routing: bool = True
 
     @field_validator("policy")
     @classmethod

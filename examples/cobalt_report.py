@@ -96,6 +96,8 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            "replan_layers": sum(h["layers"] for h in history if not h.get("before_trials")),
            "replans_skipped_dense": list(replanner.dense_skips) if replanner is not None else [],
            "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
+           # (apply step, layers): plans the routing since their sample did not confirm (planner.confirm_on_newer_routing)
+           "replans_unconfirmed": [[h["step"], h["unconfirmed"]] for h in history if h.get("unconfirmed")],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
            "first_migration_step": first}
@@ -130,6 +132,10 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
             print(f"                      {s['replan_dense_skipped']} of {s['replan_layers']} layer plans left out: "
                   "those layers run DeepSpeed's dense exchange (fastest on this link), whose traffic no layout "
                   "changes")
+    if s.get("replans_unconfirmed"):
+        held = "; ".join(f"after step {step}: layer{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+                         for step, ids in s["replans_unconfirmed"])
+        print(f"                      not applied ({held}): the routing since their sample no longer favoured them")
     when = f", after steps {', '.join(map(str, s['migration_steps']))}" if s["migration_steps"] else ""
     failed = f", {s['migrations_failed']} failed" if s["migrations_failed"] else ""
     print(f"  migrations          {s['migrations']} committed ({s['experts_moved']} expert moves{when}){failed}")

@@ -38,7 +38,16 @@ from deepspeed.utils import logger
 
 from ..config import CobaltConfig
 from ..planner import LinkModel
-from ..planner.decisions import KEEP, MIGRATE, REPLICAS, LayerDecision, LayerStats, plan_layer_decision
+from ..planner.decisions import (
+    KEEP,
+    MIGRATE,
+    REPLICAS,
+    Confirmation,
+    LayerDecision,
+    LayerStats,
+    confirm_on_newer_routing,
+    plan_layer_decision,
+)
 from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
 from .expert_state import piece_numel
@@ -245,41 +254,63 @@ class Replanner:
     def _gather(self) -> list[LayerStats]:
         """One all_reduce over the world: summed load/co-activation/tokens and every rank's samples."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        B = self.cfg.sample_tokens
         pieces: list[torch.Tensor] = []
         for layer in self.layers:
             load_E, coact_EE, sample_BK = layer.stats.snapshot()
-            K = sample_BK.shape[1]
-            samples = np.zeros((world, B, K))
-            take = sample_BK[:B]
-            samples[rank, : take.shape[0]] = take + 1  # 0 = no sample
             pieces += [torch.from_numpy(load_E), torch.from_numpy(coact_EE.reshape(-1)),
-                       torch.tensor([float(layer.stats.tokens)], dtype=torch.float64),
-                       torch.from_numpy(samples.reshape(-1))]
+                       torch.tensor([float(layer.stats.tokens)], dtype=torch.float64), self._rows_piece(sample_BK)]
             layer.stats.reset()
         flat = torch.cat([p.double() for p in pieces])
         if dist.is_initialized():
             dist.all_reduce(flat)
         out: list[LayerStats] = []
         offset = 0
-        W = self.layers[0].topology.world_size
         for layer in self.layers:
-            E, K = layer.num_experts, layer.stats.sample_BK.shape[1]
-            sizes = [E, E * E, 1, world * B * K]
+            E = layer.num_experts
+            sizes = [E, E * E, 1, self._rows_piece_size(layer)]
             load, coact, tokens, samples = flat[offset: offset + sum(sizes)].split(sizes)
             offset += sum(sizes)
-            samples_RBK = samples.numpy().reshape(world, B, K).astype(np.int64) - 1
-            keep_RB = samples_RBK[:, :, 0] >= 0
-            src_RB = np.repeat((np.arange(world) % W)[:, None], B, axis=1)
             out.append(LayerStats(load.numpy().copy(), coact.numpy().reshape(E, E).copy(), int(tokens.item()),
-                                  samples_RBK[keep_RB], src_RB[keep_RB]))
+                                  *self._rows_of(samples, layer)))
         return out
+
+    def _rows_piece(self, sample_BK: np.ndarray) -> torch.Tensor:
+        """This rank's latest (at most B) top-k rows of a layer at its place in a [world, B, K] block (ids + 2, so
+        a dropped route, -1, is 1 and 0 is no row): summed over the ranks, the block holds everyone's."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        B = self.cfg.sample_tokens
+        samples = np.zeros((world, B, sample_BK.shape[1]))
+        take = sample_BK[:B]
+        samples[rank, : take.shape[0]] = take + 2
+        return torch.from_numpy(samples.reshape(-1))
+
+    def _rows_piece_size(self, layer: LayerCore) -> int:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return world * self.cfg.sample_tokens * layer.stats.sample_BK.shape[1]
+
+    def _confirms(self, step: int) -> bool:
+        """Whether the decisions applied after `step` are confirmed on the rows routed since the plan's sample
+        (`planner.confirm_on_newer_routing`; not where the user overrides the cost model, nor without newer
+        steps). A function of the config and the step, so every rank agrees."""
+        since = self.stats_since_step
+        return (self.cfg.confirm_on_newer_routing and not self.mig.ignore_cost_model and since is not None
+                and step > since)
+
+    def _rows_of(self, block: torch.Tensor, layer: LayerCore) -> tuple[np.ndarray, np.ndarray]:
+        """`(samples_TK, source_rank_T)`: the rows of a summed `_rows_piece` block and the EP rank each came from."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        B, K, W = self.cfg.sample_tokens, layer.stats.sample_BK.shape[1], layer.topology.world_size
+        samples_RBK = block.numpy().reshape(world, B, K).astype(np.int64) - 2
+        keep_RB = samples_RBK[:, :, 0] >= -1  # a row (its first route may be dropped: -1)
+        src_RB = np.repeat((np.arange(world) % W)[:, None], B, axis=1)
+        return samples_RBK[keep_RB], src_RB[keep_RB]
 
     def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None) -> None:
         """Gather the statistics and hand this rank's layers (all but `skipped`; default: those on the dense
         schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`)."""
         t0 = time.perf_counter()
+        steps = self._steps_since_last_plan(step)  # the steps the statistics sum (before they count from here)
         stats = self._gather()
         self.stats_since_step = step  # the statistics now count from here
         self._start_s = {"planned_after_step": step, "gather_s": time.perf_counter() - t0,
@@ -304,7 +335,7 @@ class Replanner:
             return
         t0 = time.perf_counter()
         request = (f"{step}", mine, [stats[i] for i in mine], [self.layers[i].layout_slots.copy() for i in mine],
-                   [stats[i].tokens / self._steps_since_last_plan(step) / ep_groups for i in mine], params)
+                   [stats[i].tokens / steps / ep_groups for i in mine], params)
         self._submit(request)
         self._start_s["submit_s"] = time.perf_counter() - t0
 
@@ -358,24 +389,39 @@ class Replanner:
         if error is not None:
             logger.error(f"ds_cobalt replan on rank {rank} failed, layers {self._mine} keep their layout "
                          f"(planned again at the next interval):\n{error}")
-        # per layer: planned (1/0), action, saving_s, planning seconds, then W * S slots
-        payload = torch.zeros((L, 4 + W * S), dtype=torch.float64)
+        # per layer: planned (1/0), action, saving_s, planning seconds, tokens per step, has a fallback (1/0), then
+        # W * S slots and W * S fallback slots (a migration's owners-stay alternative)
+        head = 6
+        payload = torch.zeros((L, head + 2 * W * S), dtype=torch.float64)
+        tokens_per_step = dict(zip(request[1], request[4])) if request is not None else {}
         for i, d in decisions.items():
+            fallback = d.fallback_WS is not None and d.fallback_WS.shape == (W, S)
             if d.action == KEEP or d.slots_WS.shape == (W, S):  # KEEP carries the current slots, of any width
-                payload[i, :4] = torch.tensor([1.0, d.action, d.saving_s, seconds], dtype=torch.float64)
+                payload[i, :head] = torch.tensor([1.0, d.action, d.saving_s, seconds, tokens_per_step.get(i, 0.0),
+                                                  float(fallback)], dtype=torch.float64)
             if d.action != KEEP and d.slots_WS.shape == (W, S):
-                payload[i, 4:] = torch.from_numpy(d.slots_WS.reshape(-1).astype(np.float64))
+                payload[i, head: head + W * S] = torch.from_numpy(d.slots_WS.reshape(-1).astype(np.float64))
+                if fallback:
+                    payload[i, head + W * S:] = torch.from_numpy(d.fallback_WS.reshape(-1).astype(np.float64))
+        # the rows routed since the plan's sample, to confirm its decisions on (in the same all_reduce)
+        confirm = self._confirms(int(engine.global_steps))
+        flat = torch.cat([payload.reshape(-1)] + ([self._rows_piece(layer.stats.recent_rows())
+                                                   for layer in self.layers] if confirm else []))
         if dist.is_initialized():
-            dist.all_reduce(payload)
+            dist.all_reduce(flat)
+        payload = flat[: payload.numel()].reshape(payload.shape)
         planned = payload[:, 0] > 0
         actions = torch.where(planned, payload[:, 1], float(KEEP)).long().tolist()
         savings = payload[:, 2].tolist()
-        slots = payload[:, 4:].numpy().astype(np.int64).reshape(L, W, S)
+        slots = payload[:, head: head + W * S].numpy().astype(np.int64).reshape(L, W, S)
+        fallbacks = payload[:, head + W * S:].numpy().astype(np.int64).reshape(L, W, S)
         missing = [i for i in range(L) if not planned[i] and i not in self._skipped]
         slowest = float(payload[:, 3].max())
+        unconfirmed = self._confirm(flat[payload.numel():], payload, actions, slots, fallbacks) if confirm else {}
         self.history.append({"step": int(engine.global_steps), "planned": int(planned.sum()), "layers": L,
                              "dense_skipped": list(self._skipped), "slowest_share_s": slowest,
-                             **self._start_s, "collect_s": time.perf_counter() - t0})
+                             "unconfirmed": sorted(unconfirmed), **self._start_s,
+                             "collect_s": time.perf_counter() - t0})
         if rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: {int(planned.sum())} of {L} layer(s) "
                         f"planned on {min(world, L)} rank(s), slowest share {slowest:.2f} s"
@@ -385,6 +431,11 @@ class Replanner:
                               if self._start_s.get("before_trials") else
                               "they run the dense schedule: traffic independent of the layout)")
                            if self._skipped else ""))
+            for i, check in unconfirmed.items():
+                kept = "changes only its spare slots" if actions[i] == REPLICAS else "keeps its layout"
+                logger.info(f"ds_cobalt replan at step {engine.global_steps}: layer {i} {kept}; its plan does not "
+                            f"hold on the routing since its sample (remote nodes per token {check.old_cross:.3f} "
+                            f"now, {check.new_cross:.3f} planned, gain at its lower bound {check.gain_low:.3f})")
         to_migrate: list[np.ndarray | None] = [None] * L
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
             if action == REPLICAS:
@@ -398,6 +449,29 @@ class Replanner:
         elif rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: no owner migration "
                         f"({sum(a == REPLICAS for a in actions)} layer(s) changed replicas only)")
+
+    def _confirm(self, rows: torch.Tensor, payload: torch.Tensor, actions: list[int], slots: np.ndarray,
+                 fallbacks: np.ndarray) -> dict[int, Confirmation]:
+        """Check the gathered decisions on the summed `_rows_piece` blocks `rows` (the rows routed since the plan's
+        sample); an unconfirmed layer keeps its layout, or takes its migration's owners-stay fallback where that
+        is no worse on the rows. Updates `actions` and `slots` in place; returns the unconfirmed checks."""
+        unconfirmed: dict[int, Confirmation] = {}
+        blocks = rows.split([self._rows_piece_size(layer) for layer in self.layers])
+        for i, (layer, block) in enumerate(zip(self.layers, blocks)):
+            if actions[i] == KEEP:
+                continue
+            rows_TK = self._rows_of(block, layer)
+            common = dict(num_experts=layer.num_experts, gpus_per_node=layer.topology.ranks_per_node, link=self.link,
+                          interval=self._interval, tokens_per_step=float(payload[i, 4]))
+            check = confirm_on_newer_routing(actions[i], slots[i], layer.layout_slots, *rows_TK, **common)
+            if check.action != KEEP:
+                continue
+            unconfirmed[i], actions[i] = check, KEEP
+            if payload[i, 5] > 0 and not np.array_equal(fallbacks[i], layer.layout_slots) and \
+                    confirm_on_newer_routing(REPLICAS, fallbacks[i], layer.layout_slots, *rows_TK,
+                                             **common).action == REPLICAS:
+                actions[i], slots[i] = REPLICAS, fallbacks[i]
+        return unconfirmed
 
     # ----- checkpoints: what an exact resume needs (integrations/replan_state.py writes it) -----
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -17,10 +17,13 @@ from .owner_moves import align_owner_slots
 from .policies import LayerInput, plan_layer, replicas_for_owners
 from .stats import RoutingStats, merge_sets, topk_sets
 
-__all__ = ["KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "cross_node_per_token",
-           "plan_layer_decision"]
+__all__ = ["KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "Confirmation", "cross_node_per_token",
+           "plan_layer_decision", "confirm_on_newer_routing"]
 
 KEEP, REPLICAS, MIGRATE = 0, 1, 2
+# A migration confirmed on newer routing must pay at its gain's lower bound: the mean per-token gain less this many
+# standard errors (the rows of one step: a few thousand tokens, paired under both layouts).
+CONFIRM_STANDARD_ERRORS = 2.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,15 @@ class LayerDecision:
     old_cross: float = 0.0
     new_cross: float = 0.0
     saving_s: float = 0.0  # modelled saving over the interval, migration time subtracted
+    # MIGRATE: the slots with the owners left in place and only the spare slots chosen (applied instead where the
+    # migration is not confirmed on newer routing, `confirm_on_newer_routing`); None otherwise
+    fallback_WS: np.ndarray | None = None
+
+
+def _remote_nodes_T(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
+                    gpus_per_node: int) -> np.ndarray:
+    dest, _ = assign_tasks(samples_TK, source_rank_T, slots_WS, gpus_per_node)
+    return remote_nodes_per_token(dest, source_rank_T, gpus_per_node)
 
 
 def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
@@ -48,8 +60,7 @@ def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slot
     """Mean distinct remote nodes per sample token under `slots_WS` (the runtime's task assignment)."""
     if samples_TK.shape[0] == 0:
         return 0.0
-    dest, _ = assign_tasks(samples_TK, source_rank_T, slots_WS, gpus_per_node)
-    return float(remote_nodes_per_token(dest, source_rank_T, gpus_per_node).mean())
+    return float(_remote_nodes_T(samples_TK, source_rank_T, slots_WS, gpus_per_node).mean())
 
 
 def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int, gpus_per_node: int,
@@ -59,7 +70,7 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     E = stats.load_E.size
     W = nodes * gpus_per_node
     P = E // W
-    valid = stats.samples_TK[stats.samples_TK[:, 0] >= 0] if stats.samples_TK.size else stats.samples_TK
+    valid = stats.samples_TK[(stats.samples_TK >= 0).any(axis=1)] if stats.samples_TK.size else stats.samples_TK
     sets_MK, count_M = merge_sets(topk_sets(valid), np.ones(valid.shape[0]))
     routing = RoutingStats(E, stats.samples_TK.shape[1], decay=0.0, load_E=stats.load_E, coact_EE=stats.coact_EE,
                            sets_MK=sets_MK, count_M=count_M)
@@ -87,4 +98,45 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
             return LayerDecision(KEEP, current_WS, old, new, saving_s)
         kept_cross = cross_node_per_token(stats.samples_TK, stats.source_rank_T, kept, gpus_per_node)
         return LayerDecision(REPLICAS, kept, old, kept_cross)
-    return LayerDecision(MIGRATE, slots, old, new, saving_s)
+    if ignore_cost_model:
+        return LayerDecision(MIGRATE, slots, old, new, saving_s)
+    kept = replicas_for_owners(inp, current_WS[:, :P]) if redundant_slots else current_WS
+    return LayerDecision(MIGRATE, slots, old, new, saving_s, fallback_WS=kept)
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """A decision checked on routing newer than the sample it was planned from."""
+
+    action: int  # the decision's action where the newer rows confirm it, else KEEP
+    old_cross: float = 0.0  # remote nodes per newer token under the current layout
+    new_cross: float = 0.0  # ... under the decision's layout
+    gain_low: float = 0.0  # the per-token gain's lower bound (CONFIRM_STANDARD_ERRORS below its mean)
+
+
+def confirm_on_newer_routing(action: int, slots_WS: np.ndarray, current_WS: np.ndarray, samples_TK: np.ndarray,
+                             source_rank_T: np.ndarray, *, num_experts: int, gpus_per_node: int, link: LinkModel,
+                             interval: int, tokens_per_step: float) -> Confirmation:
+    """Pure: whether a layer's decision still holds on `samples_TK`, rows routed after its planning sample.
+
+    A plan fits the step it was sampled from; early in training the routing moves within a few steps, and a
+    layout that fitted it can be worse than the current one on the steps that follow. A replica-only change is
+    free and stands where it is no worse on the newer rows (mean remote nodes per token). A migration stands
+    where the cost model still says it pays with the per-token gain at its lower bound (paired over the same
+    rows). KEEP, and a check without newer rows, leave the action as it is."""
+    valid = (samples_TK >= 0).any(axis=1) if samples_TK.size else np.zeros(0, dtype=bool)  # a route not dropped
+    if action == KEEP or not valid.any():
+        return Confirmation(action)
+    rows_TK, source_T = samples_TK[valid], source_rank_T[valid]
+    old_T = _remote_nodes_T(rows_TK, source_T, current_WS, gpus_per_node)
+    new_T = _remote_nodes_T(rows_TK, source_T, slots_WS, gpus_per_node)
+    gain_T = (old_T - new_T).astype(np.float64)
+    gain_low = float(gain_T.mean() - CONFIRM_STANDARD_ERRORS * gain_T.std() / np.sqrt(gain_T.size))
+    old, new = float(old_T.mean()), float(new_T.mean())
+    if action == REPLICAS:
+        holds = new <= old
+    else:
+        E = num_experts
+        moved = int((owner_rank_of(current_WS, E) != owner_rank_of(slots_WS, E)).sum())
+        holds = migration_worth_it(moved, old, old - gain_low, int(tokens_per_step), interval, link)
+    return Confirmation(action if holds else KEEP, old, new, gain_low)

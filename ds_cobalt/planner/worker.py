@@ -89,6 +89,8 @@ def write_result(path: Path, decisions: dict[int, LayerDecision]) -> None:
     for lid, d in decisions.items():
         arrays |= {f"{lid}.action": np.int64(d.action), f"{lid}.slots_WS": d.slots_WS,
                    f"{lid}.cross": np.array([d.old_cross, d.new_cross, d.saving_s])}
+        if d.fallback_WS is not None:
+            arrays[f"{lid}.fallback_WS"] = d.fallback_WS
     _atomic_savez(path, arrays)
 
 
@@ -97,7 +99,8 @@ def read_result(path: Path) -> dict[int, LayerDecision]:
         out = {}
         for lid in (int(i) for i in f["layer_ids"]):
             old, new, saving = f[f"{lid}.cross"].tolist()
-            out[lid] = LayerDecision(int(f[f"{lid}.action"]), f[f"{lid}.slots_WS"], old, new, saving)
+            fallback = f[f"{lid}.fallback_WS"] if f"{lid}.fallback_WS" in f.files else None
+            out[lid] = LayerDecision(int(f[f"{lid}.action"]), f[f"{lid}.slots_WS"], old, new, saving, fallback)
         return out
 
 

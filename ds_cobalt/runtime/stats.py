@@ -51,9 +51,12 @@ class DeviceRoutingStats:
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(load_E, coact_EE, sample_BK)` on the host; sample rows never written stay -1."""
+        return self.load_E.cpu().numpy(), self.coact_EE.cpu().numpy(), self.recent_rows()  # NOTE: host sync
+
+    def recent_rows(self) -> np.ndarray:
+        """`[min(tokens, B), K]` the latest top-k rows on the host, in buffer order (NOTE: host sync)."""
         filled = min(self.tokens, self.sample_BK.shape[0])
-        return (self.load_E.cpu().numpy(), self.coact_EE.cpu().numpy(),  # NOTE: host sync
-                self.sample_BK[:filled].cpu().numpy())
+        return self.sample_BK[:filled].cpu().numpy()
 
     def reset(self) -> None:
         self.load_E.zero_()

@@ -349,3 +349,51 @@ def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gai
     assert run([False, False]) == []
     assert run([True], plan_before_trials=False) == []
     assert run([True], chosen=True) == []  # a fixed schedule, or a resumed run: the usual first re-plan only
+
+
+def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(monkeypatch) -> None:
+    """`_apply` in one process, stand-in layer and planner: a planned migration goes ahead where the rows routed
+    since the plan's sample favour its layout, and the layer keeps its layout (listed as unconfirmed) where they
+    favour the current one; with `confirm_on_newer_routing` off, or no step since the sample, it migrates as
+    planned."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from ds_cobalt.config import PlannerConfig
+    from ds_cobalt.integrations import replan as replan_module
+    from ds_cobalt.planner import LinkModel
+    from ds_cobalt.planner.decisions import MIGRATE, LayerDecision
+    from ds_cobalt.runtime.stats import DeviceRoutingStats
+
+    current = np.arange(8).reshape(4, 2)  # rows come from rank 0 (one process): node 0 holds {0..3}
+    planned = np.array([[0, 7, 1], [1, 6, 0], [2, 5, 3], [3, 4, 2]])  # node 0 holds {0, 1, 6, 7}; 1 spare slot
+
+    def apply(pairs: list[list[int]], since: int = 10, fallback=None, **planner) -> list:
+        stats = DeviceRoutingStats(8, 2, sample_tokens=256)
+        stats.update(torch.tensor(pairs * (256 // len(pairs))))
+        layer = types.SimpleNamespace(stats=stats, layout_slots=current, num_experts=8,
+                                      topology=types.SimpleNamespace(world_size=4, ranks_per_node=2))
+        hook = _timeline_replanner([layer], PlannerConfig(redundant_slots=1, sample_tokens=256, **planner))
+        hook.link, hook._skipped, hook._start_s, hook._submit_error = LinkModel(expert_params=10), [], {}, None
+        hook.stats_since_step, hook._pending = since, ("10", [0], [None], [current], [4096.0], {})
+        decision = LayerDecision(MIGRATE, planned, fallback_WS=fallback)
+        hook._planner = types.SimpleNamespace(collect=lambda timeout: ({0: decision}, 0.1, None))
+        migrated, replicas = [], []
+        monkeypatch.setattr(replan_module, "migrate", lambda engine, slots, **kw: migrated.append(slots[0]))
+        layer.set_layout = replicas.append
+        hook._apply(types.SimpleNamespace(global_steps=15))
+        return [hook.history[-1]["unconfirmed"], len(migrated), [r.tolist() for r in replicas]]
+
+    favour_plan, favour_current = [[0, 7], [1, 6]], [[0, 2], [1, 3]]
+    assert apply(favour_plan) == [[], 1, []]
+    assert apply(favour_current) == [[0], 0, []]
+    assert apply(favour_current, confirm_on_newer_routing=False) == [[], 1, []]
+    assert apply(favour_current, since=15) == [[], 1, []]  # applied right after its sample: nothing newer
+    # the migration's fallback (the owners in place, spare slots chosen) is applied instead where it is no worse on
+    # the newer rows, and not where it is worse
+    spares = np.concatenate([current, [[4], [5], [6], [7]]], axis=1)
+    assert apply(favour_current, fallback=spares) == [[0], 0, [spares.tolist()]]
+    worse = np.concatenate([current[[2, 3, 0, 1]], [[6], [4], [2], [0]]], axis=1)  # node 0 holds {4..7}: worse
+    assert apply(favour_current, fallback=worse) == [[0], 0, []]

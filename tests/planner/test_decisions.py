@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from ds_cobalt.planner import LinkModel, migration_worth_it
-from ds_cobalt.planner.decisions import KEEP, MIGRATE, REPLICAS, LayerStats, plan_layer_decision
+from ds_cobalt.planner.decisions import (
+    KEEP,
+    MIGRATE,
+    REPLICAS,
+    LayerStats,
+    confirm_on_newer_routing,
+    plan_layer_decision,
+)
 from ds_cobalt.planner.migration import migration_bytes
 from ds_cobalt.planner.owner_moves import align_owner_slots, plan_owner_moves
 from ds_cobalt.planner.stage2 import fill_spares
@@ -97,3 +104,38 @@ def test_one_migration_formula() -> None:
     assert saved == 0.5 * 1000 * 64 * 4 * 10 and cost == 3 * link.expert_bytes
     assert migration_worth_it(3, 1.0, 0.5, 1000, 10, link) == (saved > 1.5 * cost)
     assert not migration_worth_it(0, 1.0, 0.0, 1000, 10, link)
+
+
+def _rows(pairs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens choosing the expert pairs `pairs` [M, 2] uniformly, from random ranks."""
+    topk = pairs[rng.integers(0, len(pairs), size=4000)]
+    return topk, rng.integers(0, 4, size=4000)
+
+
+def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() -> None:
+    """A plan that co-locates the pairs of its sample: confirmed on newer rows with the same pairs; turned into
+    KEEP where the newer rows pair the experts differently (the plan is worse there), and where the gain on them is
+    within the noise of the rows; a check without rows leaves the action alone."""
+    rng = np.random.default_rng(0)
+    current = np.arange(E).reshape(4, 2)  # nodes {0..3} and {4..7}
+    planned = np.array([[0, 7], [1, 6], [2, 5], [3, 4]])  # nodes {0, 1, 6, 7} and {2..5}
+    link = LinkModel(expert_params=100, token_bytes=64)
+    common = dict(num_experts=E, gpus_per_node=2, link=link, interval=100, tokens_per_step=4000.0)
+    same = _rows(np.array([[p, 7 - p] for p in range(4)]), rng)
+    held = confirm_on_newer_routing(MIGRATE, planned, current, *same, **common)
+    assert held.action == MIGRATE and held.new_cross < held.old_cross and held.gain_low > 0
+    moved_on = _rows(np.array([[0, 2], [1, 3], [4, 6], [5, 7]]), rng)  # pairs only the current layout keeps local
+    gone = confirm_on_newer_routing(MIGRATE, planned, current, *moved_on, **common)
+    assert gone.action == KEEP and gone.new_cross > gone.old_cross
+    assert confirm_on_newer_routing(REPLICAS, planned, current, *moved_on, **common).action == KEEP
+    assert confirm_on_newer_routing(REPLICAS, current, current, *moved_on, **common).action == REPLICAS
+    # half the tokens favour each layout: no gain beyond the noise, so no migration
+    mixed = _rows(np.array([[0, 7], [1, 6], [2, 5], [3, 4], [0, 2], [1, 3], [4, 6], [5, 7]]), rng)
+    assert confirm_on_newer_routing(MIGRATE, planned, current, *mixed, **common).action == KEEP
+    # a dear migration is refused on the same rows that confirm a cheap one
+    dear = dict(common, link=LinkModel(expert_params=10 ** 9, token_bytes=64))
+    assert confirm_on_newer_routing(MIGRATE, planned, current, *same, **dear).action == KEEP
+    none = (np.full((0, 2), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    assert confirm_on_newer_routing(MIGRATE, planned, current, *none, **common).action == MIGRATE
+    dropped = (np.full((5, 2), -1, dtype=np.int64), np.zeros(5, dtype=np.int64))
+    assert confirm_on_newer_routing(REPLICAS, planned, current, *dropped, **common).action == REPLICAS
