@@ -256,7 +256,7 @@ class Replanner:
         world = dist.get_world_size() if dist.is_initialized() else 1
         pieces: list[torch.Tensor] = []
         for layer in self.layers:
-            load_E, coact_EE, sample_BK = layer.stats.snapshot()
+            load_E, coact_EE, sample_BK = layer.stats.snapshot(self.cfg.sample_tokens)
             pieces += [torch.from_numpy(load_E), torch.from_numpy(coact_EE.reshape(-1)),
                        torch.tensor([float(layer.stats.tokens)], dtype=torch.float64), self._rows_piece(sample_BK)]
             layer.stats.reset()
@@ -405,7 +405,7 @@ class Replanner:
                     payload[i, head + W * S:] = torch.from_numpy(d.fallback_WS.reshape(-1).astype(np.float64))
         # the rows routed since the plan's sample, to confirm its decisions on (in the same all_reduce)
         confirm = self._confirms(int(engine.global_steps))
-        flat = torch.cat([payload.reshape(-1)] + ([self._rows_piece(layer.stats.recent_rows())
+        flat = torch.cat([payload.reshape(-1)] + ([self._rows_piece(layer.stats.recent_rows(self.cfg.sample_tokens))
                                                    for layer in self.layers] if confirm else []))
         if dist.is_initialized():
             dist.all_reduce(flat)
@@ -480,7 +480,8 @@ class Replanner:
         for i, layer in enumerate(self.layers):
             st = layer.stats
             tensors |= {f"stats.{i}.load_E": st.load_E, f"stats.{i}.coact_EE": st.coact_EE,
-                        f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens])}
+                        f"stats.{i}.sample_BK": st.sample_BK, f"stats.{i}.tokens": torch.tensor([st.tokens]),
+                        f"stats.{i}.sampled": torch.tensor([st.sampled])}
         def text(value: int | None) -> str:
             return "" if value is None else str(value)
 
@@ -505,6 +506,8 @@ class Replanner:
             for name in ("load_E", "coact_EE", "sample_BK"):
                 getattr(st, name).copy_(tensors[f"stats.{i}.{name}"])
             st.tokens = int(tensors[f"stats.{i}.tokens"].item())
+            # (a checkpoint from before the count: every counted token was sampled)
+            st.sampled = int(tensors[f"stats.{i}.sampled"].item()) if f"stats.{i}.sampled" in tensors else st.tokens
         self._apply_at = int(meta["apply_at"]) if meta.get("apply_at") else None
         self.stats_since_step = int(meta["stats_since_step"]) if meta.get("stats_since_step") else None
         self._deferred_from = int(meta["deferred_from"]) if meta.get("deferred_from") else None

@@ -23,6 +23,7 @@ class DeviceRoutingStats:
         self.coact_EE = torch.zeros((num_experts, num_experts), dtype=torch.float64, device=device)
         self.sample_BK = torch.full((sample_tokens, top_k), -1, dtype=torch.long, device=device)
         self.tokens = 0  # tokens counted (host int; shapes are known on the host)
+        self.sampled = 0  # rows written to the sample buffer (host int; a load-only update writes none)
 
     def update(self, topk_ids_TK: torch.Tensor, planned: bool = True) -> None:
         """Count one forward's routes; `planned=False` counts load only (a layer the replanner leaves out)."""
@@ -44,22 +45,27 @@ class DeviceRoutingStats:
         coact.fill_diagonal_(0)
         self.coact_EE += coact.double()
         B = self.sample_BK.shape[0]
-        rows = torch.arange(self.tokens, self.tokens + T, device=ids.device) % B
+        rows = torch.arange(self.sampled, self.sampled + T, device=ids.device) % B
         keep = min(T, B)
         self.sample_BK[rows[-keep:], : K] = ids[-keep:] if keep else ids[:0]
         self.tokens += T
+        self.sampled += T
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`(load_E, coact_EE, sample_BK)` on the host; sample rows never written stay -1."""
-        return self.load_E.cpu().numpy(), self.coact_EE.cpu().numpy(), self.recent_rows()  # NOTE: host sync
+    def snapshot(self, rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(load_E, coact_EE, sample_BK)` on the host, copies (a CPU tensor's `numpy()` would share its memory, and
+        `reset` zero it); `sample_BK` as in `recent_rows(rows)`."""
+        return (self.load_E.cpu().numpy().copy(), self.coact_EE.cpu().numpy().copy(),  # NOTE: host sync
+                self.recent_rows(rows))
 
-    def recent_rows(self) -> np.ndarray:
-        """`[min(tokens, B), K]` the latest top-k rows on the host, in buffer order (NOTE: host sync)."""
-        filled = min(self.tokens, self.sample_BK.shape[0])
-        return self.sample_BK[:filled].cpu().numpy()
+    def recent_rows(self, rows: int | None = None) -> np.ndarray:
+        """`[n, K]` the latest n = min(sampled, B, rows) top-k rows on the host, oldest first (NOTE: host sync)."""
+        B = self.sample_BK.shape[0]
+        n = min(self.sampled, B, B if rows is None else rows)
+        index = torch.arange(self.sampled - n, self.sampled, device=self.sample_BK.device) % B
+        return self.sample_BK[index].cpu().numpy()
 
     def reset(self) -> None:
         self.load_E.zero_()
         self.coact_EE.zero_()
         self.sample_BK.fill_(-1)
-        self.tokens = 0
+        self.tokens = self.sampled = 0

@@ -237,9 +237,10 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
         np.testing.assert_allclose(out["slow_losses"], out["deepspeed"][:20], rtol=1e-5, atol=1e-6)
         assert slow["history"] and slow["history"][0] == (1, 3, 2, True), slow  # both layers, before the trials
         assert all(not h[3] for h in slow["history"][1:]), slow
-        # the layout (one spare slot filled at least) arrives before the first timed step, and the first decision
-        # comes after the trials on it (a warm-up step and three rounds)
-        assert slow["changed_at"] == [3, 3], slow
+        # the layout (one spare slot filled at least) arrives before the first timed step: a replica-only change
+        # right after step 3, a migration in the next forward's pre-hook (asynchronous); the first decision comes
+        # after the trials on it (a warm-up step and three rounds)
+        assert all(changed in (3, 4) for changed in slow["changed_at"]), slow
         assert all(f > SCHEDULE_WARMUP + 2 for f in slow["first_decisions"]), slow
 
 
