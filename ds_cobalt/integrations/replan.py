@@ -50,6 +50,7 @@ from ..planner.decisions import (
 )
 from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
+from ..runtime.placement import build_placement, remote_nodes_per_token
 from .expert_state import piece_numel
 from .migration import migratable_layers, migrate
 from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_planner
@@ -62,6 +63,18 @@ WORKER_LEAD_STEPS = 10  # a planner not running (stopped, or not started with th
 # the step after which the plan before `auto`'s trials runs: the cost model has priced every layer's schedules in
 # step 1's forward, and its layout can be applied before the trials start after step SCHEDULE_WARMUP
 BEFORE_TRIALS_STEP = 1
+
+
+def _remote_nodes(layer: LayerCore, slots_WS: np.ndarray, samples_TK: np.ndarray, source_T: np.ndarray) -> np.ndarray:
+    """`[T]` the distinct remote nodes each sample token goes to under `slots_WS`, by the runtime's own task
+    assignment (torch, in the training process: the planner's compiled kernels live in the worker)."""
+    placement = build_placement(slots_WS, layer.topology.ranks_per_node, layer.num_experts)
+    rows_TK = torch.from_numpy(samples_TK)
+    out_T = np.zeros(len(source_T), dtype=np.int64)
+    for src in np.unique(source_T):
+        mine = source_T == src
+        out_T[mine] = remote_nodes_per_token(rows_TK[torch.from_numpy(mine)], placement, int(src)).numpy()
+    return out_T
 
 
 class Replanner:
@@ -460,15 +473,20 @@ class Replanner:
         for i, (layer, block) in enumerate(zip(self.layers, blocks)):
             if actions[i] == KEEP:
                 continue
-            rows_TK = self._rows_of(block, layer)
-            common = dict(num_experts=layer.num_experts, gpus_per_node=layer.topology.ranks_per_node, link=self.link,
-                          interval=self._interval, tokens_per_step=float(payload[i, 4]))
-            check = confirm_on_newer_routing(actions[i], slots[i], layer.layout_slots, *rows_TK, **common)
+            samples_TK, source_T = self._rows_of(block, layer)
+            if not len(source_T):
+                continue
+            old_T = _remote_nodes(layer, layer.layout_slots, samples_TK, source_T)
+            common = dict(num_experts=layer.num_experts, link=self.link, interval=self._interval,
+                          tokens_per_step=float(payload[i, 4]))
+            check = confirm_on_newer_routing(actions[i], slots[i], layer.layout_slots, old_T,
+                                             _remote_nodes(layer, slots[i], samples_TK, source_T), **common)
             if check.action != KEEP:
                 continue
             unconfirmed[i], actions[i] = check, KEEP
             if payload[i, 5] > 0 and not np.array_equal(fallbacks[i], layer.layout_slots) and \
-                    confirm_on_newer_routing(REPLICAS, fallbacks[i], layer.layout_slots, *rows_TK,
+                    confirm_on_newer_routing(REPLICAS, fallbacks[i], layer.layout_slots, old_T,
+                                             _remote_nodes(layer, fallbacks[i], samples_TK, source_T),
                                              **common).action == REPLICAS:
                 actions[i], slots[i] = REPLICAS, fallbacks[i]
         return unconfirmed

@@ -18,7 +18,7 @@ from .policies import LayerInput, plan_layer, replicas_for_owners
 from .stats import RoutingStats, merge_sets, topk_sets
 
 __all__ = ["KEEP", "REPLICAS", "MIGRATE", "LayerStats", "LayerDecision", "Confirmation", "cross_node_per_token",
-           "plan_layer_decision", "confirm_on_newer_routing"]
+           "plan_layer_decision", "confirm_on_newer_routing", "remote_nodes_of"]
 
 KEEP, REPLICAS, MIGRATE = 0, 1, 2
 # A migration confirmed on newer routing must pay at its gain's lower bound: the mean per-token gain less this many
@@ -49,8 +49,9 @@ class LayerDecision:
     fallback_WS: np.ndarray | None = None
 
 
-def _remote_nodes_T(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
+def remote_nodes_of(samples_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS: np.ndarray,
                     gpus_per_node: int) -> np.ndarray:
+    """`[T]` the distinct remote nodes each sample token is sent to under `slots_WS` (`assign_tasks`)."""
     dest, _ = assign_tasks(samples_TK, source_rank_T, slots_WS, gpus_per_node)
     return remote_nodes_per_token(dest, source_rank_T, gpus_per_node)
 
@@ -60,7 +61,7 @@ def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slot
     """Mean distinct remote nodes per sample token under `slots_WS` (the runtime's task assignment)."""
     if samples_TK.shape[0] == 0:
         return 0.0
-    return float(_remote_nodes_T(samples_TK, source_rank_T, slots_WS, gpus_per_node).mean())
+    return float(remote_nodes_of(samples_TK, source_rank_T, slots_WS, gpus_per_node).mean())
 
 
 def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int, gpus_per_node: int,
@@ -114,25 +115,24 @@ class Confirmation:
     gain_low: float = 0.0  # the per-token gain's lower bound (CONFIRM_STANDARD_ERRORS below its mean)
 
 
-def confirm_on_newer_routing(action: int, slots_WS: np.ndarray, current_WS: np.ndarray, samples_TK: np.ndarray,
-                             source_rank_T: np.ndarray, *, num_experts: int, gpus_per_node: int, link: LinkModel,
-                             interval: int, tokens_per_step: float) -> Confirmation:
-    """Pure: whether a layer's decision still holds on `samples_TK`, rows routed after its planning sample.
+def confirm_on_newer_routing(action: int, slots_WS: np.ndarray, current_WS: np.ndarray, old_T: np.ndarray,
+                             new_T: np.ndarray, *, num_experts: int, link: LinkModel, interval: int,
+                             tokens_per_step: float) -> Confirmation:
+    """Pure: whether a layer's decision (`slots_WS` replacing `current_WS`) still holds on rows routed after its
+    planning sample, given each of those tokens' remote nodes under the current layout (`old_T`) and under the
+    decision's (`new_T`; the runtime counts them with its own task assignment, `cross_node_per_token` is the
+    planner's).
 
     A plan fits the step it was sampled from; early in training the routing moves within a few steps, and a
     layout that fitted it can be worse than the current one on the steps that follow. A replica-only change is
     free and stands where it is no worse on the newer rows (mean remote nodes per token). A migration stands
     where the cost model still says it pays with the per-token gain at its lower bound (paired over the same
-    rows). KEEP, and a check without newer rows, leave the action as it is."""
-    valid = (samples_TK >= 0).any(axis=1) if samples_TK.size else np.zeros(0, dtype=bool)  # a route not dropped
-    if action == KEEP or not valid.any():
+    rows). KEEP, and a check without rows, leave the action as it is."""
+    if action == KEEP or old_T.size == 0:
         return Confirmation(action)
-    rows_TK, source_T = samples_TK[valid], source_rank_T[valid]
-    old_T = _remote_nodes_T(rows_TK, source_T, current_WS, gpus_per_node)
-    new_T = _remote_nodes_T(rows_TK, source_T, slots_WS, gpus_per_node)
-    gain_T = (old_T - new_T).astype(np.float64)
+    gain_T = (np.asarray(old_T) - np.asarray(new_T)).astype(np.float64)
     gain_low = float(gain_T.mean() - CONFIRM_STANDARD_ERRORS * gain_T.std() / np.sqrt(gain_T.size))
-    old, new = float(old_T.mean()), float(new_T.mean())
+    old, new = float(np.mean(old_T)), float(np.mean(new_T))
     if action == REPLICAS:
         holds = new <= old
     else:

@@ -135,6 +135,15 @@ def assign_nodes(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank:
     return node_TK
 
 
+def remote_nodes_per_token(topk_ids_TK: torch.Tensor, placement: LayerPlacement, src_rank: int) -> torch.Tensor:
+    """`[T]` int64: the distinct remote nodes each token living on `src_rank` is sent to (`assign_nodes`)."""
+    node_TK = assign_nodes(topk_ids_TK, placement, src_rank)
+    remote_TK = (node_TK >= 0) & (node_TK != src_rank // placement.ranks_per_node)
+    hit_TN = torch.zeros((node_TK.shape[0], placement.nodes), dtype=torch.long, device=node_TK.device)
+    hit_TN.scatter_add_(1, node_TK.clamp(min=0), remote_TK.long())
+    return (hit_TN > 0).sum(1)
+
+
 def assign_tasks(topk_ids_TK: torch.Tensor, placement: LayerPlacement,
                  src_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick a physical copy (EP rank, slot) for every (token, route) of tokens living on `src_rank`.

@@ -12,6 +12,7 @@ from ds_cobalt.planner.decisions import (
     LayerStats,
     confirm_on_newer_routing,
     plan_layer_decision,
+    remote_nodes_of,
 )
 from ds_cobalt.planner.migration import migration_bytes
 from ds_cobalt.planner.owner_moves import align_owner_slots, plan_owner_moves
@@ -120,22 +121,24 @@ def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() 
     current = np.arange(E).reshape(4, 2)  # nodes {0..3} and {4..7}
     planned = np.array([[0, 7], [1, 6], [2, 5], [3, 4]])  # nodes {0, 1, 6, 7} and {2..5}
     link = LinkModel(expert_params=100, token_bytes=64)
-    common = dict(num_experts=E, gpus_per_node=2, link=link, interval=100, tokens_per_step=4000.0)
+    common = dict(num_experts=E, link=link, interval=100, tokens_per_step=4000.0)
+
+    def confirm(action: int, slots: np.ndarray, rows: tuple, **kw):
+        old_T, new_T = (remote_nodes_of(*rows, layout, 2) for layout in (current, slots))
+        return confirm_on_newer_routing(action, slots, current, old_T, new_T, **{**common, **kw})
+
     same = _rows(np.array([[p, 7 - p] for p in range(4)]), rng)
-    held = confirm_on_newer_routing(MIGRATE, planned, current, *same, **common)
+    held = confirm(MIGRATE, planned, same)
     assert held.action == MIGRATE and held.new_cross < held.old_cross and held.gain_low > 0
     moved_on = _rows(np.array([[0, 2], [1, 3], [4, 6], [5, 7]]), rng)  # pairs only the current layout keeps local
-    gone = confirm_on_newer_routing(MIGRATE, planned, current, *moved_on, **common)
+    gone = confirm(MIGRATE, planned, moved_on)
     assert gone.action == KEEP and gone.new_cross > gone.old_cross
-    assert confirm_on_newer_routing(REPLICAS, planned, current, *moved_on, **common).action == KEEP
-    assert confirm_on_newer_routing(REPLICAS, current, current, *moved_on, **common).action == REPLICAS
+    assert confirm(REPLICAS, planned, moved_on).action == KEEP
+    assert confirm(REPLICAS, current, moved_on).action == REPLICAS
     # half the tokens favour each layout: no gain beyond the noise, so no migration
     mixed = _rows(np.array([[0, 7], [1, 6], [2, 5], [3, 4], [0, 2], [1, 3], [4, 6], [5, 7]]), rng)
-    assert confirm_on_newer_routing(MIGRATE, planned, current, *mixed, **common).action == KEEP
+    assert confirm(MIGRATE, planned, mixed).action == KEEP
     # a dear migration is refused on the same rows that confirm a cheap one
-    dear = dict(common, link=LinkModel(expert_params=10 ** 9, token_bytes=64))
-    assert confirm_on_newer_routing(MIGRATE, planned, current, *same, **dear).action == KEEP
-    none = (np.full((0, 2), -1, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    assert confirm_on_newer_routing(MIGRATE, planned, current, *none, **common).action == MIGRATE
-    dropped = (np.full((5, 2), -1, dtype=np.int64), np.zeros(5, dtype=np.int64))
-    assert confirm_on_newer_routing(REPLICAS, planned, current, *dropped, **common).action == REPLICAS
+    assert confirm(MIGRATE, planned, same, link=LinkModel(expert_params=10 ** 9, token_bytes=64)).action == KEEP
+    none = np.zeros(0, dtype=np.int64)
+    assert confirm_on_newer_routing(MIGRATE, planned, current, none, none, **common).action == MIGRATE

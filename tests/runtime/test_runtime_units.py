@@ -519,3 +519,22 @@ def test_schedule_model_prices_calls_on_fast_links_and_bytes_on_slow_ones() -> N
                                        dropless=True)
         bytes_part = on_slow["hierarchical"] - 9 * fixed
         assert doubled["hierarchical"] - 9 * fixed == pytest.approx(2 * bytes_part, rel=1e-6)
+
+
+def test_remote_nodes_per_token_matches_the_planner() -> None:
+    """The runtime's count of remote nodes per token (what the replanner confirms plans with) equals the planner's
+    on 2 nodes (where the greedy cover is exact), with replicas and dropped routes."""
+    from ds_cobalt.planner.decisions import remote_nodes_of
+    from ds_cobalt.runtime.placement import remote_nodes_per_token
+
+    rng = np.random.default_rng(3)
+    slots = np.array([[0, 5, 7], [1, 4, 2], [2, 6, 0], [3, 7, 5]])  # 8 experts, one spare slot per rank
+    topk = rng.integers(-1, 8, size=(400, 3))
+    source = rng.integers(0, 4, size=400)
+    want = remote_nodes_of(topk, source, slots, 2)
+    placement = build_placement(slots, 2, 8)
+    got = np.zeros(400, dtype=np.int64)
+    for src in range(4):
+        got[source == src] = remote_nodes_per_token(torch.from_numpy(topk[source == src]), placement, src).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert want.max() == 1 and want.min() == 0
