@@ -398,3 +398,32 @@ def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(m
     assert apply(favour_current, fallback=spares) == [[0], 0, [spares.tolist()]]
     worse = np.concatenate([current[[2, 3, 0, 1]], [[6], [4], [2], [0]]], axis=1)  # node 0 holds {4..7}: worse
     assert apply(favour_current, fallback=worse) == [[0], 0, []]
+
+
+def test_replan_request_prices_tokens_per_step_over_the_steps_its_statistics_sum() -> None:
+    """`_start` in one process, stand-in layer and planner: the migration cost model's tokens per step are the
+    statistics' tokens over the steps since they were last read (5 steps of 64 tokens here: 64), and the sample is
+    the latest `sample_tokens` rows, oldest first."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from ds_cobalt.config import PlannerConfig
+    from ds_cobalt.planner import LinkModel
+    from ds_cobalt.runtime.stats import DeviceRoutingStats
+
+    stats = DeviceRoutingStats(8, 2, sample_tokens=256)
+    for step in range(11, 16):  # steps 11..15, after the re-plan after step 10
+        stats.update(torch.full((64, 2), step % 8))
+    topology = types.SimpleNamespace(world_size=4, ranks_per_node=2, nodes=2)
+    layer = types.SimpleNamespace(stats=stats, layout_slots=np.arange(8).reshape(4, 2), num_experts=8,
+                                  topology=topology, settled_dense=False)
+    hook = _timeline_replanner([layer], PlannerConfig(sample_tokens=100))
+    hook._mine, hook.stats_since_step, hook.link, requests = [0], 10, LinkModel(), []
+    hook._planner = types.SimpleNamespace(submit=lambda *request: requests.append(request))
+    hook._start(types.SimpleNamespace(global_steps=15), 15)
+    (_, ids, (sample,), _, tokens_per_step, _), = requests
+    assert ids == [0] and tokens_per_step == [64.0] and hook.stats_since_step == 15
+    assert sample.tokens == 320 and sample.load_E[11 % 8] == 64  # host copies, read before the reset
+    np.testing.assert_array_equal(sample.samples_TK[:, 0], [14 % 8] * 36 + [15 % 8] * 64)  # the latest 100 rows
