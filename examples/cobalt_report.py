@@ -96,7 +96,8 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            "replan_layers": sum(h["layers"] for h in history if not h.get("before_trials")),
            "replans_skipped_dense": list(replanner.dense_skips) if replanner is not None else [],
            "replan_slowest_share_s": [h["slowest_share_s"] for h in history],
-           # (apply step, layers): plans the routing since their sample did not confirm (planner.confirm_on_newer_routing)
+           # (apply step, layers): plans not confirmed on the routing since their sample
+           # (planner.confirm_on_newer_routing)
            "replans_unconfirmed": [[h["step"], h["unconfirmed"]] for h in history if h.get("unconfirmed")],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],

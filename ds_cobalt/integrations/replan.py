@@ -266,7 +266,6 @@ class Replanner:
     # ----- statistics and planning -----
     def _gather(self) -> list[LayerStats]:
         """One all_reduce over the world: summed load/co-activation/tokens and every rank's samples."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
         pieces: list[torch.Tensor] = []
         for layer in self.layers:
             load_E, coact_EE, sample_BK = layer.stats.snapshot(self.cfg.sample_tokens)
