@@ -92,16 +92,15 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     saved_bytes, cost_bytes = migration_bytes(moved, old, new, tokens_per_step, interval, link)
     saving_s = (saved_bytes - cost_bytes) / link.bytes_per_s
     worth = migration_worth_it(moved, old, new, int(tokens_per_step), interval, link)
+    # The owners stay and only the spare slots are chosen (free): where the migration does not pay, and as its
+    # fallback where it is not confirmed on newer routing (not needed where the user overrides the cost model).
+    kept = None if ignore_cost_model and moved else (
+        replicas_for_owners(inp, current_WS[:, :P]) if redundant_slots else current_WS)
     if not (worth or (ignore_cost_model and moved)):
-        # Owners stay; the spare slots are still free to choose (no owner moves, nothing to pay).
-        kept = replicas_for_owners(inp, current_WS[:, :P]) if redundant_slots else current_WS
         if kept.shape == current_WS.shape and np.array_equal(kept, current_WS):
             return LayerDecision(KEEP, current_WS, old, new, saving_s)
         kept_cross = cross_node_per_token(stats.samples_TK, stats.source_rank_T, kept, gpus_per_node)
         return LayerDecision(REPLICAS, kept, old, kept_cross)
-    if ignore_cost_model:
-        return LayerDecision(MIGRATE, slots, old, new, saving_s)
-    kept = replicas_for_owners(inp, current_WS[:, :P]) if redundant_slots else current_WS
     return LayerDecision(MIGRATE, slots, old, new, saving_s, fallback_WS=kept)
 
 
