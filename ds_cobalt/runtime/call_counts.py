@@ -5,8 +5,10 @@ Fixed cost per call dominates small messages, so these counts are what a regress
 - `count_collectives()` wraps `torch.distributed`'s collective and point-to-point calls.
 - `count_host_syncs()` wraps the tensor operations that make the host wait for the device: reading values
   (`tolist`, `item`, `int()`, `float()`, `bool()`), data-dependent shapes (`nonzero`, boolean-mask indexing,
-  `masked_select`, `unique`, `repeat_interleave` with tensor repeats and no `output_size`). On CPU nothing waits,
-  but the same calls are the syncs of the CUDA path; there `torch.cuda.set_sync_debug_mode` confirms them.
+  `masked_select`, `unique`, `repeat_interleave` with tensor repeats and no `output_size`, `bincount`), and host data
+  copied to a device as it is made (`torch.tensor` / `torch.as_tensor` of non-tensor data with a `device`: a
+  pageable copy). On CPU nothing waits, but the same calls are the syncs of the CUDA path; there
+  `torch.cuda.set_sync_debug_mode` confirms them (`benchmarks/gpu_moe_check.py`).
 
 Each yields a `collections.Counter` keyed by the caller's `file:line` (outside torch), so a failing count says
 where the extra call is. Not thread-safe: patches module attributes for the duration of the block.
@@ -75,6 +77,10 @@ def _tensor_repeats(input, repeats=None, dim=None, *, output_size=None) -> bool:
     return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and output_size is None
 
 
+def _host_data_to_device(data=None, *args, device=None, **kwargs) -> bool:
+    return device is not None and not isinstance(data, torch.Tensor)
+
+
 @contextmanager
 def count_host_syncs() -> Iterator[Counter]:
     """Host syncs made inside the block (see the module docstring for what counts)."""
@@ -82,7 +88,8 @@ def count_host_syncs() -> Iterator[Counter]:
     reads = ("tolist", "item", "__int__", "__float__", "__bool__", "nonzero", "masked_select", "unique")
     with _patched(torch.Tensor, reads, counts), \
             _patched(torch.Tensor, ("__getitem__",), counts, _bool_index), \
-            _patched(torch, ("nonzero", "masked_select", "unique"), counts), \
+            _patched(torch, ("nonzero", "masked_select", "unique", "bincount"), counts), \
+            _patched(torch, ("tensor", "as_tensor"), counts, _host_data_to_device), \
             _patched(torch, ("repeat_interleave",), counts, _tensor_repeats), \
             _patched(torch.Tensor, ("repeat_interleave",), counts, _tensor_repeats):
         yield counts

@@ -35,8 +35,14 @@ def group_capacity(capacity: torch.Tensor | int, is_local: bool, group: dist.Pro
                    device: torch.device) -> int:
     """A DeepSpeed gate's capacity as a host int: the largest over `group` when `capacity` is this rank's
     dropless value (`is_local`; the all-reduce DeepSpeed's gate would have made), else as it is."""
-    value = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1).clone()
-    if is_local and not _alone(group):
+    reduce = is_local and not _alone(group)
+    if not isinstance(capacity, torch.Tensor):
+        if not reduce:
+            return int(capacity)
+        value = torch.full((1,), int(capacity), dtype=torch.int64, device=device)
+    else:
+        value = capacity.to(device, torch.int64).reshape(1).clone()
+    if reduce:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())  # NOTE: host sync
 

@@ -24,6 +24,7 @@ import torch
 from ..kernels import accumulate_dtype, gather_rows
 from .comm import all_to_all_rows
 from .placement import LayerPlacement, rank_within_key
+from .sync_free import count_keys
 from .topology import EPGroups
 from .traffic import ExchangeCounts
 
@@ -37,7 +38,7 @@ def expert_locations(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch
     valid = topk_ids_TK.reshape(-1) >= 0
     key = torch.where(valid, topk_ids_TK.reshape(-1).long(), torch.full_like(valid, num_experts, dtype=torch.long))
     location = rank_within_key(key)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = count_keys(key, num_experts)
     return location.reshape(T, K), counts.max().reshape(1) if num_experts else counts.new_zeros(1)
 
 

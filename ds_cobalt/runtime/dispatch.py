@@ -32,6 +32,7 @@ from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
 from .comm import all_to_all_row_pair, all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_nodes, assign_tasks, rank_within_key
 from .step_spares import NodeSpares, StepFill, copy_of_routes, fill_step
+from .sync_free import count_keys, device_ints
 from .topology import EPGroups, Topology
 from .traffic import ExchangeCounts
 
@@ -154,12 +155,19 @@ def _rail_plan(r: _Routes, groups: EPGroups, rail_send: tuple[int, ...], route_s
     )
 
 
+def _capacity_column(capacity: torch.Tensor | int, W: int, device: torch.device) -> torch.Tensor:
+    """`[W, 1]` int64 copies of `capacity` for the count exchange (a Python int is filled in on the device)."""
+    if isinstance(capacity, torch.Tensor):
+        return capacity.to(device, torch.int64).reshape(1, 1).expand(W, 1)
+    return torch.full((W, 1), int(capacity), dtype=torch.int64, device=device)
+
+
 def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
               backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
     """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync); the
     overlapped schedule's per-chunk plan (`plan_layer` also exchanges the node stage's counts).
 
-    `backend`: kernel backend of `ds_cobalt.kernels` ("torch" or "cupy"). `assignment`: this call's
+    `backend`: kernel backend of `ds_cobalt.kernels` ("torch", "cupy" or "auto"). `assignment`: this call's
     `(dest_rank_TK, dest_slot_TK)` when already chosen (a chunk of a larger batch), else `assign_tasks`."""
     N = groups.topology.nodes
     r = _assigned_routes(topk_ids_TK, placement, groups, backend, assignment)
@@ -203,9 +211,9 @@ def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPG
     valid = r.dest_rank_TK.reshape(-1) >= 0
     slot_key = torch.where(valid, r.dest_rank_TK.reshape(-1) * S + r.dest_slot_TK.reshape(-1),
                            torch.full_like(valid, W * S, dtype=torch.int64))
-    per_slot_NX = torch.bincount(slot_key, minlength=W * S + 1)[: W * S].reshape(N, G * S)
+    per_slot_NX = count_keys(slot_key, W * S).reshape(N, G * S)
     peer_node = torch.arange(W, device=device) // G
-    cap = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1, 1).expand(W, 1)
+    cap = _capacity_column(capacity, W, device)
     send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_slot_NX[peer_node],
                          cap], 1)
     recv_NGF = exchange_counts(send_WF, groups.ep_group).reshape(N, G, -1)
@@ -241,12 +249,12 @@ def _plan_layer_refilled(topk_ids_TK: torch.Tensor, placement: LayerPlacement, g
     expert_TK = topk_ids_TK.clamp(min=0).long()
     node = r.dest_node_TK.reshape(-1)
     key = torch.where(node >= 0, node * E + expert_TK.reshape(-1), torch.full_like(node, N * E))
-    per_expert_NE = torch.bincount(key, minlength=N * E + 1)[: N * E].reshape(N, E)
+    per_expert_NE = count_keys(key, N * E).reshape(N, E)
     held_NX = spares.held_NX
     X = held_NX.shape[1]
     per_held_NX = torch.cat([per_expert_NE, per_expert_NE.new_zeros(N, 1)], 1).gather(1, held_NX)  # pad: E -> 0
     peer_node = torch.arange(W, device=device) // G
-    cap = torch.as_tensor(capacity, dtype=torch.int64, device=device).reshape(1, 1).expand(W, 1)
+    cap = _capacity_column(capacity, W, device)
     send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_held_NX[peer_node],
                          cap], 1)
     recv_WF = exchange_counts(send_WF, groups.ep_group)
@@ -290,8 +298,8 @@ def relay_routes(plan: RailPlan, weights_TK: torch.Tensor, recv_routes_R4: torch
             parts.append((t, torch.full_like(t, groups.topology.rank), plan.expert_TK[t, k], weights_TK[t, k]))
     if recv_routes_R4 is not None:
         device = recv_routes_R4.device
-        recv = torch.tensor(plan.rail_recv, device=device)
-        src_node = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(plan.route_recv, device=device),
+        recv, route_recv = device_ints([plan.rail_recv, plan.route_recv], device)
+        src_node = torch.repeat_interleave(torch.arange(N, device=device), route_recv,
                                            output_size=sum(plan.route_recv))
         meta = recv_routes_R4[:, :3].detach().long()
         pool = pool_offset + (recv.cumsum(0) - recv)[src_node] + meta[:, 0]
@@ -316,7 +324,7 @@ def node_counts_many(relays: Sequence[RelayRoutes], groups: EPGroups,
                      slots: int) -> list[tuple[list[list[int]], list[list[int]]]]:
     """`node_counts` of several route sets in one exchange and one host sync."""
     G = groups.topology.ranks_per_node
-    send_GnS = torch.stack([torch.bincount(r.local_R * slots + r.slot_R, minlength=G * slots).reshape(G, slots)
+    send_GnS = torch.stack([count_keys(r.local_R * slots + r.slot_R, G * slots).reshape(G, slots)
                             for r in relays], dim=1)
     recv_GnS = exchange_counts(send_GnS.reshape(G, -1), groups.node_group).reshape(send_GnS.shape)
     send, recv = torch.stack([send_GnS, recv_GnS]).tolist()  # NOTE: host sync
@@ -367,7 +375,7 @@ def dispatch_planned(x_TD: torch.Tensor, weights_TK: torch.Tensor, layer: LayerP
                               groups.node_group)
     # Rows arrive grouped by source, sorted by slot inside each: their slots follow from the counts.
     slot_Q = torch.repeat_interleave(torch.arange(S, device=x_TD.device).repeat(len(recv_GS)),
-                                     torch.tensor(recv_GS, device=x_TD.device).reshape(-1), output_size=sum(node_recv))
+                                     device_ints(recv_GS, x_TD.device).reshape(-1), output_size=sum(node_recv))
 
     counts = plan_counts(plan, node_send, node_recv, layer.capacity)
     handle = DispatchHandle(plan.num_tokens, plan.pair_token_P, plan.rail_send, plan.rail_recv, relay,

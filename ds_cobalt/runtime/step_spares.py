@@ -25,6 +25,7 @@ import torch
 
 from ..planner.layout import owner_rank_of
 from ..planner.stage2 import max_over_mean, refill_node, refillable_slots
+from .sync_free import device_ints
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,9 @@ def fill_step(spares: NodeSpares, relay_counts_GE: np.ndarray, local_rank: int,
     se_C, sg_C, _ = _copies(spares.static_node_GS)
     end_EM = np.full((E, max(1, int(copies_E.max(initial=0)))), np.iinfo(np.int64).max, dtype=np.int64)
     end_EM[e_C, np.arange(e_C.size) - start_E[e_C]] = hi_C
-    as_device = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
     return StepFill(slots_WS, send_GS.tolist(), recv_GS.tolist(), np.bincount(g_C, weights=share_C, minlength=G),
                     np.bincount(sg_C, weights=_even_shares(se_C, load_E), minlength=G),
-                    as_device(g_C), as_device(s_C), as_device(start_E), as_device(end_EM))
+                    *(device_ints(a, device) for a in (g_C, s_C, start_E, end_EM)))
 
 
 def copy_of_routes(fill: StepFill, counts_WE: torch.Tensor, ranks_per_node: int, src_R: torch.Tensor,

@@ -538,3 +538,25 @@ def test_remote_nodes_per_token_matches_the_planner() -> None:
         got[source == src] = remote_nodes_per_token(torch.from_numpy(topk[source == src]), placement, src).numpy()
     np.testing.assert_array_equal(got, want)
     assert want.max() == 1 and want.min() == 0
+
+
+def test_sync_free_counts_and_copies_match_torch_and_are_not_counted():
+    from ds_cobalt.runtime.call_counts import count_host_syncs
+    from ds_cobalt.runtime.sync_free import count_keys, device_ints
+
+    key = torch.tensor([3, 0, 2, 2, 5, 0, 2])  # 5 = the ignored key
+    with count_host_syncs() as syncs:
+        counts = count_keys(key, 5)
+        nested = device_ints([[1, 2], [3, 4]], "cpu")
+        from_array = device_ints(np.array([7, 8]), torch.device("cpu"))
+    assert not syncs
+    assert counts.tolist() == torch.bincount(key, minlength=6)[:5].tolist() == [2, 0, 3, 1, 0]
+    assert nested.dtype == from_array.dtype == torch.int64
+    assert nested.tolist() == [[1, 2], [3, 4]] and from_array.tolist() == [7, 8]
+    # the torch idioms they replace are counted (on CUDA both make the host wait)
+    with count_host_syncs() as syncs:
+        torch.bincount(key)
+        torch.tensor([1, 2], device="cpu")
+        torch.as_tensor(np.array([1]), device="cpu")
+        torch.as_tensor(key, device="cpu")  # already a tensor: no host data to copy
+    assert sum(syncs.values()) == 3
