@@ -186,11 +186,12 @@ class OverlapConfig(_Section):
 
 
 class KernelsConfig(_Section):
-    """Kernel backend of the dispatcher's gathers, dedup and weighted sums (ds_cobalt.kernels): `torch`
-    (default; the reference), `cupy` (CUDA kernels, needs CuPy and GPU tensors), `auto` (cupy on GPU when
-    CuPy imports). The CuPy kernels have not yet been run on a GPU (docs/kernels.md)."""
+    """Kernel backend of the dispatcher's gathers, dedup and weighted sums (ds_cobalt.kernels): `auto` (default:
+    torch off CUDA or without CuPy; on CUDA with CuPy each op takes the backend measured faster at its size on an
+    H200, `kernels.auto_backend`), `torch` (the reference everywhere), `cupy` (the CUDA kernels for every op; needs
+    CuPy and GPU tensors). docs/kernels.md."""
 
-    backend: Literal["torch", "cupy", "auto"] = "torch"
+    backend: Literal["torch", "cupy", "auto"] = "auto"
 
 
 class TransportConfig(_Section):

@@ -6,6 +6,7 @@ See `ops` for the functions and `docs/kernels.md` for the ops, their memory traf
 from .flags import ChunkReadyFlags
 from .ops import (
     Backend,
+    auto_backend,
     chunk_ready_flags,
     cupy_install_hint,
     dedup_pairs,
@@ -18,6 +19,7 @@ from .ref import accumulate_dtype
 __all__ = [
     "Backend",
     "accumulate_dtype",
+    "auto_backend",
     "ChunkReadyFlags",
     "chunk_ready_flags",
     "cupy_install_hint",

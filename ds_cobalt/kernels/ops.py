@@ -1,9 +1,9 @@
 """The kernel interface: one function per op, each with an explicit `backend` choice.
 
 `backend="torch"` runs `ref.py` (the spec, any device). `backend="cupy"` runs the CUDA kernels of the
-repository's `cuda/` directory through CuPy (CUDA tensors only). `backend="auto"` picks cupy when the
-tensors are on CUDA and CuPy imports, else torch. Both backends agree up to floating-point summation
-order (the scatter-adds use atomics on the GPU).
+repository's `cuda/` directory through CuPy (CUDA tensors only). `backend="auto"` runs torch off CUDA or without
+CuPy; on CUDA with CuPy each op takes the backend measured faster at its size (`auto_backend`). Both backends
+agree up to floating-point summation order (the scatter-adds use atomics on the GPU).
 
 Legend: T tokens, K routes, N nodes, D hidden, P (token, remote node) pairs, R routes, O output rows.
 """
@@ -26,7 +26,7 @@ Backend = Literal["auto", "torch", "cupy"]
 _BACKENDS = ("auto", "torch", "cupy")
 
 __all__ = ["Backend", "chunk_ready_flags", "dedup_pairs", "gather_rows", "weighted_scatter_add", "resolve_backend",
-           "cupy_install_hint"]
+           "auto_backend", "cupy_install_hint"]
 
 
 def cupy_install_hint() -> str:
@@ -70,8 +70,29 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None, device: torch.d
     return "cupy"
 
 
-def _impl(backend: str, *tensors: torch.Tensor | None) -> ModuleType:
-    if resolve_backend(backend, *tensors) == "torch":
+# Measured on an H200, forward + backward, bf16 and fp32 (`benchmarks/gpu_checks.py`, docs/kernels.md): the dedup
+# kernels beat torch's ~10 ops 2.2-2.9x at every size; a CuPy launch costs ~70 us more host time than a torch op,
+# which the row kernels repay from some size on (rows x hidden): the weighted scatter-add from 16.8M (1.2x there,
+# 0.9-1.1x at 8.4M, 2.6-4x at 537M), the gather from 67M (its scatter-add backward wins: 1.1x there, 1.5-1.9x at
+# 537M; its forward alone is never faster than torch's `index_select`).
+CUPY_MIN_ELEMENTS = {"weighted_scatter_add": 1 << 24, "gather_rows": 1 << 26}
+
+
+def auto_backend(op: str, elements: int) -> str:
+    """What `backend="auto"` runs for `op` on CUDA with CuPy: `"cupy"` or `"torch"`. `elements`: rows x hidden of
+    the row kernels (`gather_rows`, `weighted_scatter_add`), unused for `dedup_pairs`."""
+    if op == "dedup_pairs":
+        return "cupy"
+    if op in CUPY_MIN_ELEMENTS:
+        return "cupy" if elements >= CUPY_MIN_ELEMENTS[op] else "torch"
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _impl(backend: str, *tensors: torch.Tensor | None, op: str, elements: int = 0) -> ModuleType:
+    choice = resolve_backend(backend, *tensors)
+    if choice == "cupy" and backend == "auto":
+        choice = auto_backend(op, elements)
+    if choice == "torch":
         return ref
     from . import cupy_backend
 
@@ -87,12 +108,13 @@ def dedup_pairs(dest_node_TK: torch.Tensor, src_node: int, num_nodes: int, *, pa
     -1 = local or dropped. Syncs with the host (P depends on the data), unless `padded` (then `pair_token_P`
     holds `T * min(K, N - 1)` entries, the P pairs first). See `ref.dedup_pairs`.
     """
-    return _impl(backend, dest_node_TK).dedup_pairs(dest_node_TK, src_node, num_nodes, padded)
+    return _impl(backend, dest_node_TK, op="dedup_pairs").dedup_pairs(dest_node_TK, src_node, num_nodes, padded)
 
 
 def gather_rows(x_TD: torch.Tensor, index_P: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
     """`[P, D]` = `x_TD[index_P]` (int32/int64 indices in `[0, T)`); differentiable in `x_TD`."""
-    return _impl(backend, x_TD, index_P).gather_rows(x_TD, index_P)
+    return _impl(backend, x_TD, index_P, op="gather_rows",
+                 elements=index_P.numel() * (x_TD.shape[1] if x_TD.dim() == 2 else 1)).gather_rows(x_TD, index_P)
 
 
 def weighted_scatter_add(rows_RD: torch.Tensor, index_R: torch.Tensor, weight_R: torch.Tensor | None,
@@ -101,7 +123,8 @@ def weighted_scatter_add(rows_RD: torch.Tensor, index_R: torch.Tensor, weight_R:
     """`[num_out, D]` in the rows' dtype: `(base_OD +) sum_r rows_RD[r] * weight_R[r]` into row `index_R[r]`,
     accumulated in float32. `weight_R=None` means unit weights. Differentiable in rows, weights and base.
     """
-    return _impl(backend, rows_RD, index_R, weight_R, base_OD).weighted_scatter_add(
+    return _impl(backend, rows_RD, index_R, weight_R, base_OD, op="weighted_scatter_add",
+                 elements=rows_RD.numel()).weighted_scatter_add(
         rows_RD, index_R, weight_R, num_out, base_OD=base_OD)
 
 
@@ -110,4 +133,6 @@ def chunk_ready_flags(num_chunks: int, device: torch.device | str, *,
     """Per-chunk ready flags on `device` for the overlap scheduler; see `ds_cobalt.kernels.flags`."""
     from .flags import ChunkReadyFlags
 
-    return ChunkReadyFlags(num_chunks, device, resolve_backend(backend, device=torch.device(device)))
+    # "auto": torch's `fill_` (52 us of host time per mark + wait on an H200, against 74 us for the CuPy kernel)
+    return ChunkReadyFlags(num_chunks, device, "torch" if backend == "auto"
+                           else resolve_backend(backend, device=torch.device(device)))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import resolve_backend
+from ..kernels import cupy_install_hint, resolve_backend
 from ..planner.layout import contiguous_layout
 from .comm import group_capacity
 from .dense import dense_moe, expert_locations
@@ -213,9 +213,15 @@ class LayerCore:
         return self.placement.slots_WS
 
     def backend(self, device: torch.device) -> str:
-        """The kernel backend ("torch" or "cupy"), resolved once per device."""
+        """The kernel backend the ops get, checked once per device: "torch", "cupy", or "auto" on CUDA with CuPy
+        (each op then picks by its size, `kernels.auto_backend`)."""
         if self._backend is None or self._backend[0] != device:
-            self._backend = (device, resolve_backend(self.settings.kernels.backend, device=device))
+            setting = self.settings.kernels.backend
+            resolved = resolve_backend(setting, device=device)  # raises for an impossible choice
+            if setting == "auto" and device.type == "cuda" and resolved == "torch" and self.topology.rank == 0:
+                _log.warning("ds_cobalt kernels: CuPy does not import, so the torch kernels run (%s)",
+                             cupy_install_hint())
+            self._backend = (device, "auto" if setting == "auto" and resolved == "cupy" else resolved)
         return self._backend[1]
 
     def set_layout(self, slots_WS: np.ndarray) -> None:

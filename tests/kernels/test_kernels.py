@@ -387,7 +387,8 @@ def test_gpu_weighted_scatter_add_matches_ref(O, R, D, dtype, index_dtype, weigh
 @pytest.mark.gpu
 def test_gpu_auto_picks_cupy_and_flags_order_streams():
     assert resolve_backend("auto", torch.zeros(1, device="cuda")) == "cupy"
-    flags = chunk_ready_flags(2, "cuda")
+    assert chunk_ready_flags(2, "cuda").backend == "torch"  # measured faster (ops.chunk_ready_flags)
+    flags = chunk_ready_flags(2, "cuda", backend="cupy")
     assert flags.backend == "cupy" and flags.wait_mode in ("event", "stream_wait_value32")
     comm, compute = torch.cuda.Stream(), torch.cuda.Stream()
     src = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
@@ -404,3 +405,28 @@ def test_gpu_auto_picks_cupy_and_flags_order_streams():
         torch.cuda.synchronize()
         assert seen.item() == float(src.sum().item() * epoch)
         assert flags.flags_C.tolist() == [0, epoch] and flags.is_ready(1)
+
+
+def test_auto_backend_by_op_and_size():
+    from ds_cobalt.kernels import auto_backend
+    assert auto_backend("dedup_pairs", 0) == "cupy"
+    for op, at in (("weighted_scatter_add", 1 << 24), ("gather_rows", 1 << 26)):
+        assert auto_backend(op, at - 1) == "torch"
+        assert auto_backend(op, at) == "cupy"
+    with pytest.raises(ValueError, match="unknown op 'gemm'"):
+        auto_backend("gemm", 1)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_each_op_where_measured_faster(monkeypatch):
+    from ds_cobalt.kernels import cupy_backend
+
+    calls = []
+    for name in ("dedup_pairs", "gather_rows", "weighted_scatter_add"):
+        monkeypatch.setattr(cupy_backend, name, lambda *a, name=name, **k: calls.append(name))
+    small = torch.zeros(4, 8, device="cuda")
+    index = torch.zeros(4, dtype=torch.int64, device="cuda")
+    gather_rows(small, index)
+    weighted_scatter_add(small, index, None, 4)
+    dedup_pairs(torch.zeros(4, 2, dtype=torch.int64, device="cuda"), 0, 2)
+    assert calls == ["dedup_pairs"]
