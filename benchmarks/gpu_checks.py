@@ -5,9 +5,9 @@ Run through `benchmarks/gpu_checks.sh` (it makes sure the matching CuPy wheel is
     OUT=./gpu_results python3 benchmarks/gpu_checks.py [--skip-tests] [--iters 20]
 
 Writes under $OUT (default ./gpu_results): `pytest_gpu.log`, `gpu_checks.json` (every timing, the test
-summary, device and versions) and `gpu_checks.md` (the table for docs/kernels.md). Sizes: the realistic
-layer (T=16k tokens, K=8, D=4096, N=8 nodes, bf16) and a small one (T=512, D=1024); well under 5 minutes
-on an H200 (most of it is the test suite and NVRTC compiling each kernel once).
+summary, device and versions) and `gpu_checks.md` (the table for docs/kernels.md). Sizes: from a realistic
+layer (T=16k tokens, K=8, D=4096, N=8 nodes) down to T=512, D=1024, in bf16 and fp32: the sizes where
+`kernels.auto_backend` switches between torch and CuPy are among them. About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from ds_cobalt.kernels import chunk_ready_flags, dedup_pairs, gather_rows, weigh
 
 SIZES = {  # name: (T, K, D, N)
     "layer_T16k_K8_D4096_N8": (16384, 8, 4096, 8),
+    "T8192_K4_D2048_N4": (8192, 4, 2048, 4),  # rows x hidden 67M
+    "T4096_K4_D1024_N4": (4096, 4, 1024, 4),  # 16.8M: where `auto` starts the row kernels (CUPY_MIN_ROW_ELEMENTS)
+    "mid_T4096_K2_D1024_N2": (4096, 2, 1024, 2),  # 8.4M: benchmarks/gpu_moe_check.py's layer
     "small_T512_K8_D1024_N8": (512, 8, 1024, 8),
 }
 
