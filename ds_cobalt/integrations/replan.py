@@ -89,6 +89,7 @@ class Replanner:
         self._start_error: str | None = None  # why this rank's planner did not start (None: it did or was not due)
         self._pending: tuple | None = None  # this rank's request in flight (kept for checkpoints)
         self._skipped: list[int] = []  # layers left out of the plan in flight (dense schedule)
+        self._owners_stay: list[int] = []  # layers of the plan in flight that take its spare slots only
         self._start_s: dict[str, float] = {}  # the last `_start`: its step, this rank's gather and submit seconds
         self.history: list[dict[str, Any]] = []  # per re-plan: step, layers planned / in all, slowest share (s)
         self._apply_at: int | None = None
@@ -250,7 +251,11 @@ class Replanner:
         skipped = [i for i, layer in enumerate(self.layers) if not layer.expects_layout_gain]
         if len(skipped) == len(self.layers):
             return False
-        self._start(engine, step, skipped=skipped, apply_lag=min(self.cfg.effective_apply_lag, SCHEDULE_WARMUP - step))
+        # Owner moves bet on a schedule that follows the layout: made only where the model rules dense out.
+        # Elsewhere the trials may keep dense, which no layout helps, and a migration would be paid for nothing.
+        owners_stay = [i for i, layer in enumerate(self.layers) if i not in skipped and not layer.dense_ruled_out]
+        self._start(engine, step, skipped=skipped, apply_lag=min(self.cfg.effective_apply_lag, SCHEDULE_WARMUP - step),
+                    owners_stay=owners_stay)
         if self._apply_at == step:
             self._apply(engine)
         return True
@@ -318,9 +323,11 @@ class Replanner:
         src_RB = np.repeat((np.arange(world) % W)[:, None], B, axis=1)
         return samples_RBK[keep_RB], src_RB[keep_RB]
 
-    def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None) -> None:
+    def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None,
+               owners_stay: list[int] | None = None) -> None:
         """Gather the statistics and hand this rank's layers (all but `skipped`; default: those on the dense
-        schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`)."""
+        schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`). Layers in
+        `owners_stay` then take a migration's owners-stay alternative (its spare slots) instead of the migration."""
         t0 = time.perf_counter()
         steps = self._steps_since_last_plan(step)  # the steps the statistics sum (before they count from here)
         stats = self._gather()
@@ -337,6 +344,7 @@ class Replanner:
             skipped = [] if self.mig.ignore_cost_model else [
                 i for i, layer in enumerate(self.layers) if layer.settled_dense]
         self._skipped = skipped
+        self._owners_stay = list(owners_stay or [])
         mine = [i for i in self._mine if i not in self._skipped]
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
@@ -430,9 +438,10 @@ class Replanner:
         missing = [i for i in range(L) if not planned[i] and i not in self._skipped]
         slowest = float(payload[:, 3].max())
         unconfirmed = self._confirm(flat[payload.numel():], payload, actions, slots, fallbacks) if confirm else {}
+        owners_held = self._hold_owners(payload, actions, slots, fallbacks)
         self.history.append({"step": int(engine.global_steps), "planned": int(planned.sum()), "layers": L,
                              "dense_skipped": list(self._skipped), "slowest_share_s": slowest,
-                             "unconfirmed": sorted(unconfirmed), **self._start_s,
+                             "unconfirmed": sorted(unconfirmed), "owners_held": owners_held, **self._start_s,
                              "collect_s": time.perf_counter() - t0})
         if rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: {int(planned.sum())} of {L} layer(s) "
@@ -443,6 +452,10 @@ class Replanner:
                               if self._start_s.get("before_trials") else
                               "they run the dense schedule: traffic independent of the layout)")
                            if self._skipped else ""))
+            if owners_held:
+                logger.info(f"ds_cobalt replan at step {engine.global_steps}: layers {owners_held} change only their "
+                            "spare slots before the schedule trials (their cost model does not rule dense out, and "
+                            "a layout does not help dense: owners move once a schedule that follows it is chosen)")
             for i, check in unconfirmed.items():
                 kept = "changes only its spare slots" if actions[i] == REPLICAS else "keeps its layout"
                 logger.info(f"ds_cobalt replan at step {engine.global_steps}: layer {i} {kept}; its plan does not "
@@ -461,6 +474,18 @@ class Replanner:
         elif rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: no owner migration "
                         f"({sum(a == REPLICAS for a in actions)} layer(s) changed replicas only)")
+
+    def _hold_owners(self, payload: torch.Tensor, actions: list[int], slots: np.ndarray,
+                     fallbacks: np.ndarray) -> list[int]:
+        """The migrations of `owners_stay` layers replaced by their owners-stay alternative (spare slots only), or
+        by no change without one. Updates `actions` and `slots` in place; returns those layers."""
+        held = [i for i in self._owners_stay if actions[i] == MIGRATE]
+        for i in held:
+            if payload[i, 5] > 0:
+                actions[i], slots[i] = REPLICAS, fallbacks[i]
+            else:
+                actions[i] = KEEP
+        return held
 
     def _confirm(self, rows: torch.Tensor, payload: torch.Tensor, actions: list[int], slots: np.ndarray,
                  fallbacks: np.ndarray) -> dict[int, Confirmation]:
@@ -503,6 +528,7 @@ class Replanner:
             return "" if value is None else str(value)
 
         meta = {"apply_at": text(self._apply_at), "pending": "", "skipped": json.dumps(self._skipped),
+                "owners_stay": json.dumps(self._owners_stay),
                 "stats_since_step": text(self.stats_since_step), "deferred_from": text(self._deferred_from)}
         if self._pending is not None:
             tag, ids, stats, currents, tokens_per_step, params = self._pending
@@ -529,6 +555,7 @@ class Replanner:
         self.stats_since_step = int(meta["stats_since_step"]) if meta.get("stats_since_step") else None
         self._deferred_from = int(meta["deferred_from"]) if meta.get("deferred_from") else None
         self._pending, self._skipped = None, json.loads(meta.get("skipped") or "[]")
+        self._owners_stay = json.loads(meta.get("owners_stay") or "[]")
         if meta.get("pending") and self._mine:
             self._ensure_planner()
             if self._planner is None:

@@ -70,11 +70,11 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None, device: torch.d
     return "cupy"
 
 
-# Measured on an H200, forward + backward, bf16 and fp32 (`benchmarks/gpu_checks.py`, docs/kernels.md): the dedup
-# kernels beat torch's ~10 ops 2.2-2.9x at every size; a CuPy launch costs ~70 us more host time than a torch op,
-# which the row kernels repay from some size on (rows x hidden): the weighted scatter-add from 16.8M (1.2x there,
-# 0.9-1.1x at 8.4M, 2.6-4x at 537M), the gather from 67M (its scatter-add backward wins: 1.1x there, 1.5-1.9x at
-# 537M; its forward alone is never faster than torch's `index_select`).
+# Measured on two H200s, forward + backward, bf16 and fp32 (`benchmarks/gpu_checks.py`, docs/kernels.md): the dedup
+# kernels beat torch's ~10 ops 2.2-2.9x at every size; a CuPy launch costs 50-70 us more host time than a torch op,
+# which the row kernels repay from some size on (rows x hidden): the weighted scatter-add from 16.8M (1.2-1.9x
+# there, 0.9-1.2x at 8.4M, 2.7-4x at 537M), the gather from 67M (its scatter-add backward wins: 1.1-1.6x there,
+# 1.5-2x at 537M; its forward alone is never faster than torch's `index_select`).
 CUPY_MIN_ELEMENTS = {"weighted_scatter_add": 1 << 24, "gather_rows": 1 << 26}
 
 
@@ -133,6 +133,6 @@ def chunk_ready_flags(num_chunks: int, device: torch.device | str, *,
     """Per-chunk ready flags on `device` for the overlap scheduler; see `ds_cobalt.kernels.flags`."""
     from .flags import ChunkReadyFlags
 
-    # "auto": torch's `fill_` (52 us of host time per mark + wait on an H200, against 74 us for the CuPy kernel)
+    # "auto": torch's `fill_` (38-52 us of host time per mark + wait on an H200, the CuPy kernel 41-74 us)
     return ChunkReadyFlags(num_chunks, device, "torch" if backend == "auto"
                            else resolve_backend(backend, device=torch.device(device)))

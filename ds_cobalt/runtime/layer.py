@@ -331,6 +331,13 @@ class LayerCore:
         return any(c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
 
     @property
+    def dense_ruled_out(self) -> bool:
+        """Before `auto`'s first choice for this layer: whether its cost model rules dense out, so the schedule it
+        will run follows the layout (hierarchical or direct)."""
+        chooser = self._chooser
+        return chooser is not None and not self.first_schedule_chosen and DENSE in chooser.pruned
+
+    @property
     def stage2(self) -> str | None:
         """Stage 2 in use for this layout: "step" (refilled every forward), "interval" (the re-plan's replicas),
         None while `auto` times both, or when there is no spare slot to refill."""

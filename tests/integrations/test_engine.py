@@ -289,7 +289,7 @@ def _timeline_replanner(layers: list, cfg):
     hook.layers, hook.mig, hook.cfg = layers, MigrationConfig(), cfg
     hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
     hook._interval, hook._early = cfg.replan_interval, cfg.early_replan_steps
-    hook.dense_skips, hook.deferred, hook.history = [], [], []
+    hook.dense_skips, hook.deferred, hook.history, hook._owners_stay = [], [], [], []
     return hook
 
 
@@ -323,21 +323,23 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
     """The timeline alone (one process, stand-in layers): after step 1, while `auto` makes its first choices, the
     layers whose cost model expects a gain from the layout are planned (the others left out), applied before the
-    trials start (after step SCHEDULE_WARMUP at the latest); nothing of the kind where no layer expects a gain,
-    where `plan_before_trials` is off, or where the first choices are made already."""
+    trials start (after step SCHEDULE_WARMUP at the latest); the owners of a planned layer whose model does not rule
+    dense out stay (its spare slots only); nothing of the kind where no layer expects a gain, where
+    `plan_before_trials` is off, or where the first choices are made already."""
     import types
 
     from ds_cobalt.config import PlannerConfig
     from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
 
-    def run(gains: list[bool], chosen: bool = False, **planner) -> list[tuple]:
+    def run(gains: list[bool], chosen: bool = False, dense_out: list[bool] | None = None, **planner) -> list[tuple]:
         layers = [types.SimpleNamespace(settled_dense=False, schedule="dense" if chosen else None,
                                         first_schedule_chosen=chosen, expects_layout_gain=gain,
-                                        stats=types.SimpleNamespace(reset=lambda: None)) for gain in gains]
+                                        dense_ruled_out=out, stats=types.SimpleNamespace(reset=lambda: None))
+                  for gain, out in zip(gains, dense_out or [True] * len(gains))]
         hook, started = _timeline_replanner(layers, PlannerConfig(**planner)), []
 
-        def start(engine, step, skipped=None, apply_lag=None):
-            started.append((step, skipped, apply_lag))
+        def start(engine, step, skipped=None, apply_lag=None, owners_stay=None):
+            started.append((step, skipped, apply_lag) + ((owners_stay,) if owners_stay else ()))
             hook._apply_at = step + (hook.cfg.effective_apply_lag if apply_lag is None else apply_lag)
 
         hook._start, hook._apply = start, lambda engine: setattr(hook, "_apply_at", None)
@@ -347,6 +349,8 @@ def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gai
 
     assert run([True, False]) == [(1, [1], SCHEDULE_WARMUP - 1)]  # applied after step 3, before the trials
     assert run([False, True], apply_lag=1) == [(1, [0], 1)]
+    # planned, but dense still a candidate: its owners stay (only the layers planned are listed)
+    assert run([True, True, False], dense_out=[True, False, False]) == [(1, [2], SCHEDULE_WARMUP - 1, [1])]
     assert run([False, False]) == []
     assert run([True], plan_before_trials=False) == []
     assert run([True], chosen=True) == []  # a fixed schedule, or a resumed run: the usual first re-plan only
@@ -371,7 +375,7 @@ def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(m
     current = np.arange(8).reshape(4, 2)  # rows come from rank 0 (one process): node 0 holds {0..3}
     planned = np.array([[0, 7, 1], [1, 6, 0], [2, 5, 3], [3, 4, 2]])  # node 0 holds {0, 1, 6, 7}; 1 spare slot
 
-    def apply(pairs: list[list[int]], since: int = 10, fallback=None, **planner) -> list:
+    def apply(pairs: list[list[int]], since: int = 10, fallback=None, owners_stay=(), **planner) -> list:
         stats = DeviceRoutingStats(8, 2, sample_tokens=256)
         stats.update(torch.tensor(pairs * (256 // len(pairs))))
         layer = types.SimpleNamespace(stats=stats, layout_slots=current, num_experts=8,
@@ -379,6 +383,7 @@ def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(m
         hook = _timeline_replanner([layer], PlannerConfig(redundant_slots=1, sample_tokens=256, **planner))
         hook.link, hook._skipped, hook._start_s, hook._submit_error = LinkModel(expert_params=10), [], {}, None
         hook.stats_since_step, hook._pending = since, ("10", [0], [None], [current], [4096.0], {})
+        hook._owners_stay = list(owners_stay)
         decision = LayerDecision(MIGRATE, planned, fallback_WS=fallback)
         hook._planner = types.SimpleNamespace(collect=lambda timeout: ({0: decision}, 0.1, None))
         migrated, replicas = [], []
@@ -398,6 +403,9 @@ def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(m
     assert apply(favour_current, fallback=spares) == [[0], 0, [spares.tolist()]]
     worse = np.concatenate([current[[2, 3, 0, 1]], [[6], [4], [2], [0]]], axis=1)  # node 0 holds {4..7}: worse
     assert apply(favour_current, fallback=worse) == [[0], 0, []]
+    # a plan before the trials for a layer that may still run dense: its spare slots only, or nothing without them
+    assert apply(favour_plan, fallback=spares, owners_stay=[0]) == [[], 0, [spares.tolist()]]
+    assert apply(favour_plan, owners_stay=[0]) == [[], 0, []]
 
 
 def test_replan_request_prices_tokens_per_step_over_the_steps_its_statistics_sum() -> None:
