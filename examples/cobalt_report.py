@@ -99,6 +99,7 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            # (apply step, layers): plans not confirmed on the routing since their sample
            # (planner.confirm_on_newer_routing)
            "replans_unconfirmed": [[h["step"], h["unconfirmed"]] for h in history if h.get("unconfirmed")],
+           "replans_owners_held": [[h["step"], h["owners_held"]] for h in history if h.get("owners_held")],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
            "first_migration_step": first}
@@ -137,6 +138,11 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
         held = "; ".join(f"after step {step}: layer{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
                          for step, ids in s["replans_unconfirmed"])
         print(f"                      not applied ({held}): the routing since their sample no longer favoured them")
+    if s.get("replans_owners_held"):
+        held = "; ".join(f"after step {step}: layer{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
+                         for step, ids in s["replans_owners_held"])
+        print(f"                      spare slots only, owners kept ({held}): before the schedule trials, dense may "
+              "still win, which no layout helps")
     when = f", after steps {', '.join(map(str, s['migration_steps']))}" if s["migration_steps"] else ""
     failed = f", {s['migrations_failed']} failed" if s["migrations_failed"] else ""
     print(f"  migrations          {s['migrations']} committed ({s['experts_moved']} expert moves{when}){failed}")
