@@ -57,18 +57,19 @@ class StepTracker:
     def gather(self) -> dict[str, list[float]]:
         """Collective: cross-node bytes per step (sum over ranks), DeepSpeed's padded bytes for the same forwards,
         and the per-GPU expert load max/mean of each step (rows computed, replicas included)."""
-        mine = torch.tensor(self.per_step, dtype=torch.float64).reshape(-1, len(KEYS))
+        from ds_cobalt.runtime.comm import all_reduce_host, collective_device  # NCCL moves no host tensors
+
+        mine = torch.tensor(self.per_step, dtype=torch.float64, device=collective_device()).reshape(-1, len(KEYS))
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
-        stacked = torch.stack(every)  # [ranks, steps, keys]
+        stacked = torch.stack(every).cpu()  # [ranks, steps, keys]
         rows = stacked[:, :, 2]
         mean = rows.mean(0).clamp(min=1e-9)
         import ds_cobalt
 
         balance = ds_cobalt.balance_summary(self.model)
-        stage2 = torch.tensor([balance["forwards"], balance["stage2_sum"], balance["interval_sum"]],
-                              dtype=torch.float64)
-        dist.all_reduce(stage2)
+        stage2 = all_reduce_host(torch.tensor([balance["forwards"], balance["stage2_sum"], balance["interval_sum"]],
+                                              dtype=torch.float64))
         return {"sent": stacked[:, :, 0].sum(0).tolist(), "deepspeed_padded": stacked[:, :, 1].sum(0).tolist(),
                 "load_max_over_mean": (rows.max(0).values / mean).tolist(), "stage2": stage2.tolist()}
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_cobalt.runtime.comm import all_reduce_host  # NCCL moves no host tensors
+
 TRAFFIC_KEYS = (
     "inter_node_bytes",
     "intra_node_bytes",
@@ -89,8 +91,7 @@ class DeepSpeedTrafficMeter:
         """Collective. Rows each EP rank's experts were asked for (routing demand, before capacity drops)."""
         rows = [0.0] * len(self._ep_ranks(self.layers[0])) if self.layers else []
         for layer, demand in zip(self.layers, self.demand_LE):
-            total = demand.clone()
-            dist.all_reduce(total)
+            total = all_reduce_host(demand.clone())
             for e, count in enumerate(total.tolist()):
                 rows[e // layer.num_local_experts] += count
         return rows

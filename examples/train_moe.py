@@ -29,6 +29,8 @@ from cobalt_report import StepTracker, print_summary, save_plot, summarize  # no
 from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
 from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder  # noqa: E402
 
+from ds_cobalt.runtime.comm import all_reduce_host, collective_device  # noqa: E402 (NCCL moves no host tensors)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import deepspeed
@@ -128,7 +130,8 @@ def expert_rows_per_rank(impl: str, model: torch.nn.Module, meter: DeepSpeedTraf
         return meter.expert_rows_per_rank()
     import ds_cobalt
 
-    mine = torch.tensor([float(ds_cobalt.traffic_summary(model)["expert_rows"])], dtype=torch.float64)
+    mine = torch.tensor([float(ds_cobalt.traffic_summary(model)["expert_rows"])], dtype=torch.float64,
+                        device=collective_device())
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     return [float(r) for r in rows]
@@ -136,8 +139,7 @@ def expert_rows_per_rank(impl: str, model: torch.nn.Module, meter: DeepSpeedTraf
 
 def all_reduce_sum(summary: dict[str, int]) -> dict[str, int]:
     keys = [k for k in TRAFFIC_KEYS if k != "steps"]
-    t = torch.tensor([summary[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
+    t = all_reduce_host(torch.tensor([summary[k] for k in keys], dtype=torch.float64))
     out = {k: int(v) for k, v in zip(keys, t.tolist())}
     out["steps"] = summary["steps"]
     return out
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
-        step_loss = torch.zeros((), dtype=torch.float64)
+        step_loss = torch.zeros((), dtype=torch.float64, device=collective_device())
         for micro_step in range(gas):
             ids, targets = batch_for_rank(
                 corpus,
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             loss, lm_loss, _ = engine(ids.to(engine.device), targets.to(engine.device), args.aux_loss_coef)
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach().to("cpu", torch.float64) / gas
+            step_loss += loss.detach().to(step_loss.device, torch.float64) / gas
         dist.all_reduce(step_loss)  # mean over ranks
         losses.append(step_loss.item() / world)  # NOTE: host sync
         step_times.append(time.perf_counter() - t0)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from deepspeed.utils import logger
 
 from ..planner.owner_moves import OwnerMoves, plan_owner_moves
-from ..runtime.comm import all_to_all_rows
+from ..runtime.comm import all_reduce_host, all_to_all_rows
 from ..runtime.layer import LayerCore
 from ..runtime.placement import build_placement
 from .expert_state import ExpertStateIO, relink_optimizer_state
@@ -311,7 +311,7 @@ def flush_pending(engine: Any) -> None:
 def _all_ranks_ok(local_ok: bool) -> bool:
     flag = torch.tensor([1 if local_ok else 0], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        flag = all_reduce_host(flag, dist.ReduceOp.MIN)
     return bool(flag.item())  # NOTE: host sync
 
 

@@ -48,6 +48,7 @@ from ..planner.decisions import (
     confirm_on_newer_routing,
     plan_layer_decision,
 )
+from ..runtime.comm import all_reduce_host
 from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
 from ..runtime.placement import build_placement, remote_nodes_per_token
@@ -279,7 +280,7 @@ class Replanner:
             layer.stats.reset()
         flat = torch.cat([p.double() for p in pieces])
         if dist.is_initialized():
-            dist.all_reduce(flat)
+            flat = all_reduce_host(flat)
         out: list[LayerStats] = []
         offset = 0
         for layer in self.layers:
@@ -428,7 +429,7 @@ class Replanner:
         flat = torch.cat([payload.reshape(-1)] + ([self._rows_piece(layer.stats.recent_rows(self.cfg.sample_tokens))
                                                    for layer in self.layers] if confirm else []))
         if dist.is_initialized():
-            dist.all_reduce(flat)
+            flat = all_reduce_host(flat)
         payload = flat[: payload.numel()].reshape(payload.shape)
         planned = payload[:, 0] > 0
         actions = torch.where(planned, payload[:, 1], float(KEEP)).long().tolist()

@@ -22,6 +22,25 @@ def _alone(group: dist.ProcessGroup | None) -> bool:
     return group_size(group) == 1
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's tensors must live for `group`'s backend: CPU under gloo or MPI, else (NCCL and the
+    other accelerator backends, which move no host memory) the current CUDA device."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_reduce_host(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`all_reduce` of a host tensor on any backend (through the device where the backend needs one); returns
+    the reduced values on the host (`tensor` itself under gloo). Collective on `group` (None: the world)."""
+    device = collective_device(group)
+    work = tensor.to(device)
+    dist.all_reduce(work, op=op, group=group)
+    return work.cpu()
+
+
 def exchange_counts(send_counts_PC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """`[P, C]` int64 counts for each of the P peers -> the `[P, C]` counts each peer sends to us."""
     if _alone(group):

@@ -284,8 +284,12 @@ class LayerCore:
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
         topo = self.topology
-        if self.settings.overlap.enabled or topo.world_size == 1:
+        if self.settings.overlap.enabled:
             candidates = [HIERARCHICAL]  # the overlapped schedule is hierarchical
+        elif topo.world_size == 1:
+            # nothing to send: DeepSpeed's own computation is the least work (one H200, T=4096: dense 1.2x
+            # DeepSpeed's layer time, hierarchical 1.8x; docs/kernels.md)
+            candidates = [DENSE]
         elif topo.nodes == 1 or topo.ranks_per_node == 1:
             candidates = [HIERARCHICAL, DENSE]  # one stage: direct is hierarchical
         else:

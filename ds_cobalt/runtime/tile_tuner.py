@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import all_reduce_host
 from .topology import EPGroups
 
 RAIL_CHUNKS_GUESS = 2
@@ -64,8 +65,8 @@ class ChoiceTuner:
         self.calls += 1
         if len(self.times) == len(self.candidates):
             times = torch.tensor(self.times, dtype=torch.float64)
-            if groups.ep_group is not None:
-                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=groups.ep_group)  # slowest rank decides
+            if groups.ep_group is not None:  # slowest rank decides
+                times = all_reduce_host(times, dist.ReduceOp.MAX, groups.ep_group)
             self.chosen = self.candidates[int(times.argmin())]
 
 
@@ -240,7 +241,7 @@ class StepTimedChoice:
         """`seconds` per candidate as the slowest rank of the EP group measured them (one all-reduce, MAX)."""
         out = torch.tensor(seconds, dtype=torch.float64)
         if groups.ep_group is not None:
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=groups.ep_group)
+            out = all_reduce_host(out, dist.ReduceOp.MAX, groups.ep_group)
         return out
 
     def _screen_due(self) -> bool:

@@ -84,7 +84,7 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     engine = types.SimpleNamespace(module=torch.nn.Sequential(layer), global_rank=0, global_steps=1, monitor=monitor)
     hook = MonitorHook(interval=2)
     hook(engine)
-    assert written == [("ds_cobalt/schedule/layer0", 0.0, 1)]  # hierarchical, the only candidate on one rank
+    assert written == [("ds_cobalt/schedule/layer0", 2.0, 1)]  # dense, the only candidate on one rank
     engine.global_steps = 2
     hook(engine)  # no new decision; the counters at the interval
     names = {name for name, _, step in written[1:]}

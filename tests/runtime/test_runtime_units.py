@@ -560,3 +560,35 @@ def test_sync_free_counts_and_copies_match_torch_and_are_not_counted():
         torch.as_tensor(np.array([1]), device="cpu")
         torch.as_tensor(key, device="cpu")  # already a tensor: no host data to copy
     assert sum(syncs.values()) == 3
+
+
+@pytest.mark.parametrize("backend,cuda,expected", [
+    ("gloo", True, "cpu"), ("cpu:gloo,cuda:nccl", True, "cpu"), ("mpi", True, "cpu"),
+    ("nccl", True, "cuda:0"), ("nccl", False, "cpu"),
+])
+def test_collective_device_follows_the_backend(monkeypatch, backend, cuda, expected) -> None:
+    """NCCL has no host transport (a CPU tensor in its all_reduce fails: "No backend type associated with device
+    type cpu", seen on an H200), so host values go through the current CUDA device there."""
+    import torch.distributed as dist
+
+    from ds_cobalt.runtime import comm
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert comm.collective_device() == torch.device(expected)
+
+
+def _all_reduce_host_body(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    from ds_cobalt.runtime.comm import all_reduce_host
+
+    summed = all_reduce_host(torch.tensor([1.0, rank], dtype=torch.float64))
+    smallest = all_reduce_host(torch.tensor([rank + 3]), dist.ReduceOp.MIN)
+    return [summed.device.type, summed.tolist(), smallest.tolist()]
+
+
+def test_all_reduce_host_returns_host_values(run_ranks) -> None:
+    results = run_ranks(_all_reduce_host_body, 2, ranks_per_node=1, timeout=120)
+    assert results == [["cpu", [2.0, 1.0], [3]]] * 2
