@@ -88,12 +88,12 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     engine.global_steps = 2
     hook(engine)  # no new decision; the counters at the interval
     names = {name for name, _, step in written[1:]}
-    assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_hierarchical" in names
-    assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_hierarchical"] == 1.0
+    assert "ds_cobalt/traffic/inter_node_bytes" in names and "ds_cobalt/traffic/layers_dense" in names
+    assert dict((n, v) for n, v, _ in written[1:])["ds_cobalt/traffic/layers_dense"] == 1.0
     # one candidate: decided in the first forward, without trials
-    assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "hierarchical", "timings_s": {},
+    assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "dense", "timings_s": {},
                                                          "model": {}, "stage2": None, "history": [
-                                                             {"forward": 1, "schedule": "hierarchical",
+                                                             {"forward": 1, "schedule": "dense",
                                                               "timings_s": {}, "model": {}}]}]
 
 
