@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .sync_free import int_column
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -55,12 +57,9 @@ def group_capacity(capacity: torch.Tensor | int, is_local: bool, group: dist.Pro
     """A DeepSpeed gate's capacity as a host int: the largest over `group` when `capacity` is this rank's
     dropless value (`is_local`; the all-reduce DeepSpeed's gate would have made), else as it is."""
     reduce = is_local and not _alone(group)
-    if not isinstance(capacity, torch.Tensor):
-        if not reduce:
-            return int(capacity)
-        value = torch.full((1,), int(capacity), dtype=torch.int64, device=device)
-    else:
-        value = capacity.to(device, torch.int64).reshape(1).clone()
+    if not reduce and not isinstance(capacity, torch.Tensor):
+        return int(capacity)
+    value = int_column(capacity, 1, device).reshape(1).clone()
     if reduce:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())  # NOTE: host sync

@@ -32,7 +32,7 @@ from ..kernels import dedup_pairs, gather_rows, weighted_scatter_add
 from .comm import all_to_all_row_pair, all_to_all_rows, exchange_counts
 from .placement import LayerPlacement, assign_nodes, assign_tasks, rank_within_key
 from .step_spares import NodeSpares, StepFill, copy_of_routes, fill_step
-from .sync_free import count_keys, device_ints
+from .sync_free import count_keys, device_ints, int_column
 from .topology import EPGroups, Topology
 from .traffic import ExchangeCounts
 
@@ -155,13 +155,6 @@ def _rail_plan(r: _Routes, groups: EPGroups, rail_send: tuple[int, ...], route_s
     )
 
 
-def _capacity_column(capacity: torch.Tensor | int, W: int, device: torch.device) -> torch.Tensor:
-    """`[W, 1]` int64 copies of `capacity` for the count exchange (a Python int is filled in on the device)."""
-    if isinstance(capacity, torch.Tensor):
-        return capacity.to(device, torch.int64).reshape(1, 1).expand(W, 1)
-    return torch.full((W, 1), int(capacity), dtype=torch.int64, device=device)
-
-
 def plan_rail(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPGroups,
               backend: str = "torch", assignment: tuple[torch.Tensor, torch.Tensor] | None = None) -> RailPlan:
     """Task assignment, (token, remote node) dedup and the rail count exchange (one host sync); the
@@ -213,7 +206,7 @@ def plan_layer(topk_ids_TK: torch.Tensor, placement: LayerPlacement, groups: EPG
                            torch.full_like(valid, W * S, dtype=torch.int64))
     per_slot_NX = count_keys(slot_key, W * S).reshape(N, G * S)
     peer_node = torch.arange(W, device=device) // G
-    cap = _capacity_column(capacity, W, device)
+    cap = int_column(capacity, W, device)
     send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_slot_NX[peer_node],
                          cap], 1)
     recv_NGF = exchange_counts(send_WF, groups.ep_group).reshape(N, G, -1)
@@ -254,7 +247,7 @@ def _plan_layer_refilled(topk_ids_TK: torch.Tensor, placement: LayerPlacement, g
     X = held_NX.shape[1]
     per_held_NX = torch.cat([per_expert_NE, per_expert_NE.new_zeros(N, 1)], 1).gather(1, held_NX)  # pad: E -> 0
     peer_node = torch.arange(W, device=device) // G
-    cap = _capacity_column(capacity, W, device)
+    cap = int_column(capacity, W, device)
     send_WF = torch.cat([r.rail_send_N[peer_node, None], r.route_send_N[peer_node, None], per_held_NX[peer_node],
                          cap], 1)
     recv_WF = exchange_counts(send_WF, groups.ep_group)

@@ -25,7 +25,7 @@ import torch
 
 from ..planner.layout import owner_rank_of
 from ..planner.stage2 import max_over_mean, refill_node, refillable_slots
-from .sync_free import device_ints
+from .sync_free import device_int_arrays
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def fill_step(spares: NodeSpares, relay_counts_GE: np.ndarray, local_rank: int,
     end_EM[e_C, np.arange(e_C.size) - start_E[e_C]] = hi_C
     return StepFill(slots_WS, send_GS.tolist(), recv_GS.tolist(), np.bincount(g_C, weights=share_C, minlength=G),
                     np.bincount(sg_C, weights=_even_shares(se_C, load_E), minlength=G),
-                    *(device_ints(a, device) for a in (g_C, s_C, start_E, end_EM)))
+                    *device_int_arrays((g_C, s_C, start_E, end_EM), device))
 
 
 def copy_of_routes(fill: StepFill, counts_WE: torch.Tensor, ranks_per_node: int, src_R: torch.Tensor,

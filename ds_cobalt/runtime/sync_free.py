@@ -30,3 +30,17 @@ def device_ints(values: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_int_arrays(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """`device_ints` of several arrays in one copy; each comes back in its own shape."""
+    flat = device_ints(np.concatenate([np.ravel(a) for a in arrays]) if arrays else [], device)
+    return [part.reshape(np.shape(a)) for part, a in zip(flat.split([np.size(a) for a in arrays]), arrays)]
+
+
+def int_column(value: torch.Tensor | int, rows: int, device: torch.device) -> torch.Tensor:
+    """`[rows, 1]` int64 copies of a tensor's or a Python int's value on `device` (an int is filled in there, with
+    no host-to-device copy)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, torch.int64).reshape(1, 1).expand(rows, 1)
+    return torch.full((rows, 1), int(value), dtype=torch.int64, device=device)
