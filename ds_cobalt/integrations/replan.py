@@ -14,7 +14,8 @@ per-step collectives):
 - after step 1 (`planner.plan_before_trials`), while `auto` still makes the layers' first schedule choices: the
   same for the layers whose cost model expects a schedule that gains from the layout
   (`LayerCore.expects_layout_gain`), applied after step min(1 + apply_lag, SCHEDULE_WARMUP), before their trials
-  start (a layout change restarts them).
+  start (a layout change restarts them; the layers it leaves as they are restart theirs in the same step, so all
+  layers' trials stay in step).
 - after step s + apply_lag: each rank waits at most `plan_timeout_s` for its worker; one all_reduce (sum)
   of the per-layer decisions, each filled in by the one rank that planned it, gives every rank all of them;
   every rank applies them (replica-only changes with `set_layout`, owner changes with `migrate`). A layer
@@ -252,11 +253,7 @@ class Replanner:
         skipped = [i for i, layer in enumerate(self.layers) if not layer.expects_layout_gain]
         if len(skipped) == len(self.layers):
             return False
-        # Owner moves bet on a schedule that follows the layout: made only where the model rules dense out.
-        # Elsewhere the trials may keep dense, which no layout helps, and a migration would be paid for nothing.
-        owners_stay = [i for i, layer in enumerate(self.layers) if i not in skipped and not layer.dense_ruled_out]
-        self._start(engine, step, skipped=skipped, apply_lag=min(self.cfg.effective_apply_lag, SCHEDULE_WARMUP - step),
-                    owners_stay=owners_stay)
+        self._start(engine, step, skipped=skipped, apply_lag=min(self.cfg.effective_apply_lag, SCHEDULE_WARMUP - step))
         if self._apply_at == step:
             self._apply(engine)
         return True
@@ -324,11 +321,11 @@ class Replanner:
         src_RB = np.repeat((np.arange(world) % W)[:, None], B, axis=1)
         return samples_RBK[keep_RB], src_RB[keep_RB]
 
-    def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None,
-               owners_stay: list[int] | None = None) -> None:
+    def _start(self, engine: Any, step: int, skipped: list[int] | None = None, apply_lag: int | None = None) -> None:
         """Gather the statistics and hand this rank's layers (all but `skipped`; default: those on the dense
-        schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`). Layers in
-        `owners_stay` then take a migration's owners-stay alternative (its spare slots) instead of the migration."""
+        schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`). The layers
+        whose owners may not move (`LayerCore.owners_may_move`: owner moves bet on a schedule that clearly beats
+        dense, which no layout helps) then take a migration's owners-stay alternative (its spare slots) instead."""
         t0 = time.perf_counter()
         steps = self._steps_since_last_plan(step)  # the steps the statistics sum (before they count from here)
         stats = self._gather()
@@ -345,7 +342,7 @@ class Replanner:
             skipped = [] if self.mig.ignore_cost_model else [
                 i for i, layer in enumerate(self.layers) if layer.settled_dense]
         self._skipped = skipped
-        self._owners_stay = list(owners_stay or [])
+        self._owners_stay = self._owners_staying(skipped)
         mine = [i for i in self._mine if i not in self._skipped]
         params = {"nodes": topo.nodes, "gpus_per_node": topo.ranks_per_node, "policy": self.cfg.policy,
                   "redundant_slots": self.cfg.redundant_slots, "seed": self.cfg.seed, "interval": self._interval,
@@ -359,6 +356,13 @@ class Replanner:
                    [stats[i].tokens / steps / ep_groups for i in mine], params)
         self._submit(request)
         self._start_s["submit_s"] = time.perf_counter() - t0
+
+    def _owners_staying(self, skipped: list[int]) -> list[int]:
+        """The planned layers whose owners stay (`LayerCore.owners_may_move`); none where the user overrides the
+        cost model. Every rank sees the same schedules and timings (agreed through all-reduces), so all agree."""
+        if self.mig.ignore_cost_model:
+            return []
+        return [i for i, layer in enumerate(self.layers) if i not in skipped and not layer.owners_may_move]
 
     def _submit(self, request: tuple) -> None:
         self._pending, self._submit_error = request, None
@@ -455,19 +459,22 @@ class Replanner:
                            if self._skipped else ""))
             if owners_held:
                 logger.info(f"ds_cobalt replan at step {engine.global_steps}: layers {owners_held} change only their "
-                            "spare slots before the schedule trials (their cost model does not rule dense out, and "
-                            "a layout does not help dense: owners move once a schedule that follows it is chosen)")
+                            "spare slots (their cost model does not rule dense out, which no layout helps, and their "
+                            "schedule has not measured clearly faster than it: `LayerCore.owners_may_move`)")
             for i, check in unconfirmed.items():
                 kept = "changes only its spare slots" if actions[i] == REPLICAS else "keeps its layout"
                 logger.info(f"ds_cobalt replan at step {engine.global_steps}: layer {i} {kept}; its plan does not "
                             f"hold on the routing since its sample (remote nodes per token {check.old_cross:.3f} "
                             f"now, {check.new_cross:.3f} planned, gain at its lower bound {check.gain_low:.3f})")
         to_migrate: list[np.ndarray | None] = [None] * L
+        realign = self._start_s.get("before_trials") and any(a != KEEP for a in actions)
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
             if action == REPLICAS:
                 layer.set_layout(slots[i])
             elif action == MIGRATE:
                 to_migrate[i] = slots[i]
+            elif realign:
+                layer.restart_trials()  # in step with the layers whose new layout restarts their trials
         if any(s is not None for s in to_migrate):
             saving = float(sum(s for s, a in zip(savings, actions) if a == MIGRATE))
             migrate(engine, to_migrate, reason=f"replan:{self.cfg.policy}", predicted_saving_s=saving,

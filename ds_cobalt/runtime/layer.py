@@ -67,8 +67,12 @@ DISPUTED_DENSE_MARGIN = 0.30
 # below it, and a 3-step median 7 % faster on noise kept it for the rest of a job), the clear wins at 100 Mbit/s
 # 19-23 % (default model) and 53-70 % (fine-grained) below it
 CLEAR_SAVING = 0.10
-# steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
-# ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
+# a re-plan moves the owners of a layer whose cost model does not rule dense out only where its kept schedule
+# measured this much faster than dense: layers kept on 5-9 % trial wins re-timed 9 % slower after their
+# migration on fast links here (the owner moves, paid for, then ended on dense)
+OWNER_MOVE_WIN = 0.15
+# steps of dense (else the model's favourite) before the schedule trials: the first steps of a run are slower than
+# the next ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
 SCHEDULE_WARMUP = 3
 # a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
 # spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
@@ -164,10 +168,9 @@ class LayerCore:
         self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
-        # the last `auto` decision and dense's step seconds in it (None before one): a new layout re-times the kept
-        # schedule, also when it comes while the previous re-timing is still running
+        # the last `auto` decision (None before one): a new layout re-times it against dense, also when it comes
+        # while the previous re-timing is still running
         self._kept_schedule: str | None = None
-        self._dense_seconds: float | None = None
         self.forwards = 0  # forward passes run (training and eval)
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
@@ -239,6 +242,7 @@ class LayerCore:
     def install_layout(self, slots_WS: np.ndarray) -> None:
         """Switch the lookup tables to `slots_WS`; the caller guarantees the owner weights match it."""
         topo = self.topology
+        previous_slots = None if self._placement is None else self._placement.slots_WS
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, self._device())
         self._flat_placement = build_placement(slots_WS, 1, self.num_experts, self._device())
         self._replica_plan = plan_replicas(self._placement, topo.rank)
@@ -250,36 +254,31 @@ class LayerCore:
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
         before = self._chooser
         previous = self._kept_schedule
-        # dense sends the same padded blocks on any layout: its time measured for the layout before still holds
-        known = {DENSE: self._dense_seconds} if previous not in (None, DENSE) and self._dense_seconds is not None \
-            else {}
         # the layer's first trials start after SCHEDULE_WARMUP steps (the run's first steps are slower); trials for a
-        # later layout (re-timing the kept schedule, or first trials restarted by a migration) after one step
+        # later layout (re-timing the kept schedule against dense, or first trials restarted by a layout change)
+        # after one step. Dense is timed again, next to the kept schedule: its time from earlier trials (the first
+        # steps of a run, slower than later ones) would favour whatever is timed now.
         warmup = SCHEDULE_WARMUP if before is None else 1
-        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
-                                               warmup)  # every layout
-        if known and before is not None and before.predicted:
-            # a re-timing against dense's earlier time runs no cost model: the last prediction sets its margin
-            # (`CLEAR_SAVING`; for the layout before, which the kept schedule's traffic only gains on)
-            self._chooser.predicted = dict(before.predicted)
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), warmup)  # every layout
+        if before is not None and before.predicted and np.array_equal(slots_WS, previous_slots):
+            # the same layout again (trials restarted, `restart_trials`): the model's order and pruning stand
+            self._chooser.use_model(before.predicted, before.pruned)
 
     @staticmethod
-    def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
-                          warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
-        """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
-        measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
-        `known`: step seconds measured before, which need no trial."""
+    def _schedule_chooser(candidates: list[str], warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
+        """Timed choice among `candidates`; DeepSpeed's own exchange (dense) takes the warm-up and stays unless
+        another schedule measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower
+        than DeepSpeed."""
         return StepTimedChoice(candidates, warmup=warmup, prefer=DENSE, margin=DENSE_MARGIN,
-                               screen_ratio=SCREEN_RATIO,
-                               agreed_ratio=AGREED_SCREEN_RATIO, known=known, disputed_margin=DISPUTED_DENSE_MARGIN,
-                               clear_saving=CLEAR_SAVING)
+                               screen_ratio=SCREEN_RATIO, agreed_ratio=AGREED_SCREEN_RATIO,
+                               disputed_margin=DISPUTED_DENSE_MARGIN, clear_saving=CLEAR_SAVING)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule of the last decision,
         also when a re-timing for the layout before had not ended) only that one and dense are candidates: a new
         layout (placement, replicas) cuts what hierarchical and direct send alike, so it rarely changes which of
         the two is faster, and it does not change dense's traffic at all (a layer that kept dense keeps it,
-        untimed; one that left it compares its new times with dense's earlier ones, `install_layout`)."""
+        untimed; one that left it times both again, `install_layout`)."""
         wanted = self.settings.transport.schedule
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
@@ -297,6 +296,13 @@ class LayerCore:
         if previous in candidates:
             candidates = [c for c in candidates if c in (previous, DENSE)]
         return [c for c in candidates if c not in without]
+
+    def restart_trials(self) -> None:
+        """Start `auto`'s first trials again on the current layout (one warm-up step). The replanner calls it for
+        the layers a plan leaves as they are, when others take a new layout before their first choice: every
+        layer's trials then run the same schedule in the same step, so no layer's trial steps carry another's."""
+        if not self.first_schedule_chosen:
+            self.install_layout(self.layout_slots)
 
     def step_end(self) -> None:
         """Called after each optimizer step (`CobaltEngine.step`): closes a running schedule trial."""
@@ -335,11 +341,20 @@ class LayerCore:
         return any(c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
 
     @property
-    def dense_ruled_out(self) -> bool:
-        """Before `auto`'s first choice for this layer: whether its cost model rules dense out, so the schedule it
-        will run follows the layout (hierarchical or direct)."""
+    def owners_may_move(self) -> bool:
+        """Whether a re-plan may move this layer's owners: the schedule it runs follows the layout and clearly beats
+        dense, which no layout helps. Before `auto`'s first choice: its cost model rules dense out. After it: dense
+        is not a candidate (a fixed schedule), the model ruled it out, or the last decision measured the kept
+        schedule at least `OWNER_MOVE_WIN` faster. Elsewhere the layer takes a plan's spare slots only: a narrow win
+        may not hold on the new layout, and owner moves that end on dense are paid for nothing."""
         chooser = self._chooser
-        return chooser is not None and not self.first_schedule_chosen and DENSE in chooser.pruned
+        if not self.first_schedule_chosen:
+            return chooser is not None and DENSE in chooser.pruned
+        last = self.schedule_history[-1]
+        timings, kept = last["timings_s"], last["schedule"]
+        if kept == DENSE or DENSE in last["model"].get("pruned", ()) or DENSE not in timings:
+            return kept != DENSE
+        return timings[kept] <= (1.0 - OWNER_MOVE_WIN) * timings[DENSE]
 
     @property
     def stage2(self) -> str | None:
@@ -483,10 +498,9 @@ class LayerCore:
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
         newly_decided = not decided and chooser.chosen is not None
-        # a chooser may start decided (one candidate, or only known times): its choice is kept all the same
+        # a chooser may start decided (one candidate): its choice is kept all the same
         if newly_decided or (decided and chooser.chosen != self._kept_schedule):
             self._kept_schedule = chooser.chosen
-            self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
             self.schedule_history.append({"forward": self.forwards, "schedule": chooser.chosen,
                                           "timings_s": self.schedule_timings, "model": self.schedule_model})
         if newly_decided and self.topology.rank == 0:

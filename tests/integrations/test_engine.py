@@ -119,18 +119,18 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
         # a new layout (here: the same one installed again) times only the schedule kept so far (the last decision:
-        # a migration in the last steps may leave a re-timing running), and dense unless it was timed before (its
-        # earlier time is carried over: `known`)
-        out[f"{name}_next_candidates"], out[f"{name}_timed_dense"], out[f"{name}_kept"] = [], [], []
+        # a migration in the last steps may leave a re-timing running) against dense, which takes the warm-up step;
+        # the same layout keeps the model's predictions
+        out[f"{name}_next_candidates"], out[f"{name}_kept"] = [], []
         out[f"{name}_inherited_model"], out[f"{name}_decisions"] = [], []
         for layer in cobalt_layers(engine):
-            out[f"{name}_timed_dense"].append(layer.cobalt_core._dense_seconds is not None)
             out[f"{name}_kept"].append(layer.cobalt_core._kept_schedule)
             out[f"{name}_decisions"].append(list(layer.cobalt_core.schedule_history))
             predicted = dict(layer.cobalt_core._chooser.predicted)
             layer.cobalt_core.install_layout(layer.layout_slots.copy())
             chooser = layer.cobalt_core._chooser
-            out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
+            out[f"{name}_next_candidates"].append((list(chooser.candidates), [] if chooser.chosen is not None else
+                                                   list(chooser.trials[:chooser.warmup])))
             out[f"{name}_inherited_model"].append(chooser.predicted == predicted != {})
         engine.destroy()
     # a plan step while `auto` still times the schedules: the re-plan waits until every layer has chosen
@@ -205,15 +205,13 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
-        for schedule, (candidates, known), timed_dense, inherited in zip(
-                out["auto_kept"], out["auto_next_candidates"], out["auto_timed_dense"], out["auto_inherited_model"]):
+        for schedule, (candidates, warm), inherited in zip(out["auto_kept"], out["auto_next_candidates"],
+                                                           out["auto_inherited_model"]):
             if schedule == "dense":
-                assert (candidates, known) == (["dense"], {}), (candidates, known)
-            elif timed_dense:  # a re-timing against dense's time: no cost model of its own, the last one's margin
-                assert candidates == [schedule] and list(known) == ["dense"], (schedule, candidates, known)
+                assert (candidates, warm) == (["dense"], []), (candidates, warm)
+            else:  # the kept schedule and dense, both timed again, dense in the warm-up step
+                assert sorted(candidates) == sorted([schedule, "dense"]) and warm == ["dense"], (schedule, candidates)
                 assert inherited
-            else:
-                assert candidates == [schedule, "dense"] and not known, (schedule, candidates, known)
         for schedule, decisions in zip(out["auto_kept"], out["auto_decisions"]):
             # every decision, in the order made: the first after the warm-up and trials, on the cost model's
             # predictions for all three candidates; the last is the schedule kept
@@ -222,7 +220,7 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             assert set(first["model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}, decisions
             assert last["schedule"] == schedule and all(d["schedule"] for d in decisions), decisions
             assert [d["forward"] for d in decisions] == sorted({d["forward"] for d in decisions}), decisions
-        assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
+        assert out["hierarchical_next_candidates"] == [(["hierarchical"], [])] * 2
         assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
         early = out["early"]
         np.testing.assert_allclose(out["early_losses"], out["deepspeed"][:16], rtol=1e-5, atol=1e-6)
@@ -323,23 +321,21 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
     """The timeline alone (one process, stand-in layers): after step 1, while `auto` makes its first choices, the
     layers whose cost model expects a gain from the layout are planned (the others left out), applied before the
-    trials start (after step SCHEDULE_WARMUP at the latest); the owners of a planned layer whose model does not rule
-    dense out stay (its spare slots only); nothing of the kind where no layer expects a gain, where
+    trials start (after step SCHEDULE_WARMUP at the latest); nothing of the kind where no layer expects a gain, where
     `plan_before_trials` is off, or where the first choices are made already."""
     import types
 
     from ds_cobalt.config import PlannerConfig
     from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
 
-    def run(gains: list[bool], chosen: bool = False, dense_out: list[bool] | None = None, **planner) -> list[tuple]:
+    def run(gains: list[bool], chosen: bool = False, **planner) -> list[tuple]:
         layers = [types.SimpleNamespace(settled_dense=False, schedule="dense" if chosen else None,
                                         first_schedule_chosen=chosen, expects_layout_gain=gain,
-                                        dense_ruled_out=out, stats=types.SimpleNamespace(reset=lambda: None))
-                  for gain, out in zip(gains, dense_out or [True] * len(gains))]
+                                        stats=types.SimpleNamespace(reset=lambda: None)) for gain in gains]
         hook, started = _timeline_replanner(layers, PlannerConfig(**planner)), []
 
-        def start(engine, step, skipped=None, apply_lag=None, owners_stay=None):
-            started.append((step, skipped, apply_lag) + ((owners_stay,) if owners_stay else ()))
+        def start(engine, step, skipped=None, apply_lag=None):
+            started.append((step, skipped, apply_lag))
             hook._apply_at = step + (hook.cfg.effective_apply_lag if apply_lag is None else apply_lag)
 
         hook._start, hook._apply = start, lambda engine: setattr(hook, "_apply_at", None)
@@ -349,8 +345,6 @@ def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gai
 
     assert run([True, False]) == [(1, [1], SCHEDULE_WARMUP - 1)]  # applied after step 3, before the trials
     assert run([False, True], apply_lag=1) == [(1, [0], 1)]
-    # planned, but dense still a candidate: its owners stay (only the layers planned are listed)
-    assert run([True, True, False], dense_out=[True, False, False]) == [(1, [2], SCHEDULE_WARMUP - 1, [1])]
     assert run([False, False]) == []
     assert run([True], plan_before_trials=False) == []
     assert run([True], chosen=True) == []  # a fixed schedule, or a resumed run: the usual first re-plan only
@@ -426,7 +420,7 @@ def test_replan_request_prices_tokens_per_step_over_the_steps_its_statistics_sum
         stats.update(torch.full((64, 2), step % 8))
     topology = types.SimpleNamespace(world_size=4, ranks_per_node=2, nodes=2)
     layer = types.SimpleNamespace(stats=stats, layout_slots=np.arange(8).reshape(4, 2), num_experts=8,
-                                  topology=topology, settled_dense=False)
+                                  topology=topology, settled_dense=False, owners_may_move=True)
     hook = _timeline_replanner([layer], PlannerConfig(sample_tokens=100))
     hook._mine, hook.stats_since_step, hook.link, requests = [0], 10, LinkModel(), []
     hook._planner = types.SimpleNamespace(submit=lambda *request: requests.append(request))
@@ -435,3 +429,79 @@ def test_replan_request_prices_tokens_per_step_over_the_steps_its_statistics_sum
     assert ids == [0] and tokens_per_step == [64.0] and hook.stats_since_step == 15
     assert sample.tokens == 320 and sample.load_E[11 % 8] == 64  # host copies, read before the reset
     np.testing.assert_array_equal(sample.samples_TK[:, 0], [14 % 8] * 36 + [15 % 8] * 64)  # the latest 100 rows
+
+
+def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step() -> None:
+    """`_apply` in one process, stand-in layers and planner: where the plan before the trials gives some layers a
+    new layout (which restarts their trials), the layers it leaves as they are restart theirs in the same step;
+    not where no layer changes, and not for a later re-plan."""
+    import types
+
+    import numpy as np
+
+    from ds_cobalt.config import PlannerConfig
+    from ds_cobalt.planner.decisions import KEEP, REPLICAS, LayerDecision
+
+    current = np.arange(8).reshape(4, 2)
+    spares = np.concatenate([current, [[4], [5], [6], [7]]], axis=1)
+
+    def apply(actions: list[int], before_trials: bool) -> list[str]:
+        events: list[str] = []
+        layers = [types.SimpleNamespace(layout_slots=current, num_experts=8, topology=types.SimpleNamespace(
+            world_size=4, ranks_per_node=2), set_layout=lambda slots, i=i: events.append(f"layout {i}"),
+            restart_trials=lambda i=i: events.append(f"restart {i}")) for i in range(len(actions))]
+        hook = _timeline_replanner(layers, PlannerConfig(redundant_slots=1, confirm_on_newer_routing=False))
+        hook._skipped, hook._submit_error = [], None
+        hook._start_s = {"before_trials": True} if before_trials else {}
+        hook._pending = ("1", list(range(len(actions))), [None] * len(actions), [current] * len(actions),
+                         [64.0] * len(actions), {})
+        decisions = {i: LayerDecision(a, spares if a == REPLICAS else current) for i, a in enumerate(actions)}
+        hook._planner = types.SimpleNamespace(collect=lambda timeout: (decisions, 0.1, None))
+        hook._apply(types.SimpleNamespace(global_steps=3))
+        return events
+
+    assert apply([REPLICAS, KEEP, KEEP], before_trials=True) == ["layout 0", "restart 1", "restart 2"]
+    assert apply([KEEP, KEEP], before_trials=True) == []
+    assert apply([REPLICAS, KEEP], before_trials=False) == ["layout 0"]
+
+
+def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
+    """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
+    where the cost model rules dense out; after it, where the kept schedule follows the layout and dense was ruled
+    out, was no candidate, or measured OWNER_MOVE_WIN slower in the last decision; never held with
+    `migration.ignore_cost_model`, and skipped layers are not listed."""
+    import types
+
+    from ds_cobalt.config import MigrationConfig, PlannerConfig
+    from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    def core(pruned=(), history=()):
+        layer = LayerCore.__new__(LayerCore)
+        layer._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
+        layer._chooser.use_model({"hierarchical": 1.0, "direct": 1.0, "dense": 2.0}, list(pruned))
+        layer.schedule_history = [{"forward": 10 * (n + 1), "schedule": s, "timings_s": t, "model": {"pruned": p}}
+                                  for n, (s, t, p) in enumerate(history)]
+        layer._kept_schedule = history[-1][0] if history else None
+        return layer
+
+    assert OWNER_MOVE_WIN == 0.15
+    win = 1.0 - OWNER_MOVE_WIN
+    assert core(pruned=["dense"]).owners_may_move and not core().owners_may_move  # before the first choice
+    cases = [
+        ([("direct", {"direct": 0.5, "dense": 1.0}, [])], True),  # a clear win
+        ([("direct", {"direct": win - 0.01, "dense": 1.0}, [])], True),
+        ([("direct", {"direct": win + 0.01, "dense": 1.0}, [])], False),  # a narrow one
+        ([("hierarchical", {"hierarchical": 0.9}, ["dense"])], True),  # dense ruled out
+        ([("hierarchical", {}, [])], True),  # a fixed schedule: dense no candidate
+        ([("dense", {"dense": 1.0, "direct": 1.2}, [])], False),
+        # the last decision counts: a re-timing that found the win narrow holds the owners
+        ([("direct", {"direct": 0.5, "dense": 1.0}, []), ("direct", {"direct": 0.95, "dense": 1.0}, [])], False),
+    ]
+    for history, expected in cases:
+        assert core(history=history).owners_may_move is expected, history
+    layers = [core(history=h) for h, _ in cases[:3]]
+    hook = _timeline_replanner(layers, PlannerConfig())
+    assert hook._owners_staying([]) == [2] and hook._owners_staying([2]) == []
+    hook.mig = MigrationConfig(ignore_cost_model=True)
+    assert hook._owners_staying([]) == []
