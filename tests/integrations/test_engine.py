@@ -470,7 +470,6 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     where the cost model rules dense out; after it, where the kept schedule follows the layout and dense was ruled
     out, was no candidate, or measured OWNER_MOVE_WIN slower in the last decision; never held with
     `migration.ignore_cost_model`, and skipped layers are not listed."""
-    import types
 
     from ds_cobalt.config import MigrationConfig, PlannerConfig
     from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
