@@ -71,8 +71,8 @@ CLEAR_SAVING = 0.10
 # measured this much faster than dense: layers kept on 5-9 % trial wins re-timed 9 % slower after their
 # migration on fast links here (the owner moves, paid for, then ended on dense)
 OWNER_MOVE_WIN = 0.15
-# steps of dense (else the model's favourite) before the schedule trials: the first steps of a run are slower than
-# the next ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
+# steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
+# ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
 SCHEDULE_WARMUP = 3
 # a schedule whose first timed step took more than this times the fastest one's is not timed again: beyond the
 # spread of single steps here (+-15%), so what is dropped was slower; the model's favourite is kept whatever one
@@ -168,9 +168,10 @@ class LayerCore:
         self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
-        # the last `auto` decision (None before one): a new layout re-times it against dense, also when it comes
-        # while the previous re-timing is still running
+        # the last `auto` decision and dense's step seconds in it (None before one): a new layout re-times the kept
+        # schedule, also when it comes while the previous re-timing is still running
         self._kept_schedule: str | None = None
+        self._dense_seconds: float | None = None
         self.forwards = 0  # forward passes run (training and eval)
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
@@ -254,23 +255,32 @@ class LayerCore:
             self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
         before = self._chooser
         previous = self._kept_schedule
+        # dense sends the same padded blocks on any layout: its time measured for the layout before stands where the
+        # kept schedule won clearly (`owners_may_move`); after a narrow win both are timed again, side by side, since
+        # dense's time from the first trials (the slower first steps of a run) would favour what is timed later
+        known = {DENSE: self._dense_seconds} if (previous not in (None, DENSE) and self._dense_seconds is not None
+                                                 and self.owners_may_move) else {}
         # the layer's first trials start after SCHEDULE_WARMUP steps (the run's first steps are slower); trials for a
-        # later layout (re-timing the kept schedule against dense, or first trials restarted by a layout change)
-        # after one step. Dense is timed again, next to the kept schedule: its time from earlier trials (the first
-        # steps of a run, slower than later ones) would favour whatever is timed now.
+        # later layout (re-timing the kept schedule, or first trials restarted by a layout change) after one step
         warmup = SCHEDULE_WARMUP if before is None else 1
-        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), warmup)  # every layout
-        if before is not None and before.predicted and np.array_equal(slots_WS, previous_slots):
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
+                                               warmup)  # every layout
+        if known and before is not None and before.predicted:
+            # a re-timing against dense's earlier time runs no cost model: the last prediction sets its margin
+            # (`CLEAR_SAVING`; for the layout before, which the kept schedule's traffic only gains on)
+            self._chooser.predicted = dict(before.predicted)
+        elif before is not None and before.predicted and np.array_equal(slots_WS, previous_slots):
             # the same layout again (trials restarted, `restart_trials`): the model's order and pruning stand
             self._chooser.use_model(before.predicted, before.pruned)
 
     @staticmethod
-    def _schedule_chooser(candidates: list[str], warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
-        """Timed choice among `candidates`; DeepSpeed's own exchange (dense) takes the warm-up and stays unless
-        another schedule measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower
-        than DeepSpeed."""
+    def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
+                          warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
+        """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
+        measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
+        `known`: step seconds measured before, which need no trial."""
         return StepTimedChoice(candidates, warmup=warmup, prefer=DENSE, margin=DENSE_MARGIN,
-                               screen_ratio=SCREEN_RATIO, agreed_ratio=AGREED_SCREEN_RATIO,
+                               screen_ratio=SCREEN_RATIO, agreed_ratio=AGREED_SCREEN_RATIO, known=known,
                                disputed_margin=DISPUTED_DENSE_MARGIN, clear_saving=CLEAR_SAVING)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
@@ -278,7 +288,8 @@ class LayerCore:
         also when a re-timing for the layout before had not ended) only that one and dense are candidates: a new
         layout (placement, replicas) cuts what hierarchical and direct send alike, so it rarely changes which of
         the two is faster, and it does not change dense's traffic at all (a layer that kept dense keeps it,
-        untimed; one that left it times both again, `install_layout`)."""
+        untimed; one that left it times both again after a narrow win, after a clear one the kept schedule against
+        dense's earlier time, `install_layout`)."""
         wanted = self.settings.transport.schedule
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
@@ -498,9 +509,10 @@ class LayerCore:
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
         newly_decided = not decided and chooser.chosen is not None
-        # a chooser may start decided (one candidate): its choice is kept all the same
+        # a chooser may start decided (one candidate, or only known times): its choice is kept all the same
         if newly_decided or (decided and chooser.chosen != self._kept_schedule):
             self._kept_schedule = chooser.chosen
+            self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
             self.schedule_history.append({"forward": self.forwards, "schedule": chooser.chosen,
                                           "timings_s": self.schedule_timings, "model": self.schedule_model})
         if newly_decided and self.topology.rank == 0:

@@ -131,27 +131,33 @@ class StepTimedChoice:
     """Picks one of `candidates` by timing whole training steps: a trial runs from the layer's forward to the
     end of the optimizer step (`step_end`), or to its next forward where nothing calls `step_end`, so it
     includes the backward (and everything else of the step, which is the same for every candidate). After
-    `warmup` steps of `prefer` (the safe candidate, else the first one), `repeats` rounds time every candidate
-    once, round r in the order rotated by r (no candidate always first); the lowest median wins, except that
-    `prefer` (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a
-    fraction of its median): a close call on a noisy machine then stays with the safe candidate. Where the cost
-    model (`use_model`) does not price the winner's communication at least `clear_saving` (a fraction) below
-    `prefer`'s, the winner must be faster by `disputed_margin` instead: the model sees no saving it can resolve, so
-    only a clear measurement replaces the safe candidate. Every rank of the EP group walks the same trials and
-    agrees through one all-reduce (MAX: the slowest rank decides).
+    `warmup` steps of the first candidate, `repeats` rounds time every candidate once, round r in the order
+    rotated by r (no candidate always first); the lowest median wins, except that `prefer`
+    (when it is a candidate) keeps the choice unless the winner is faster by more than `margin` (a fraction of
+    its median): a close call on a noisy machine then stays with the safe candidate. Where the cost model
+    (`use_model`) does not price the winner's communication at least `clear_saving` (a fraction) below `prefer`'s,
+    the winner must be faster by `disputed_margin` instead: the model sees no saving it can resolve, so only a clear
+    measurement replaces the safe candidate. Every
+    rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
     more than `screen_ratio` times the fastest first trial, so a clearly slower schedule is not run for all its
-    repeats. The first candidate (the model's favourite) is never dropped, and `prefer` only where the model also
-    prices the fastest's communication at least `clear_saving` below its own: a slow outlier step can then cost a
-    speed-up, not the safe choice where it is the right one. With `agreed_ratio` (below `screen_ratio`), any other
-    candidate goes already past `agreed_ratio` times the fastest where the model also predicts it slower than the
-    fastest: measurement and model agree."""
+    repeats. The first candidate (the model's favourite, which also ran the warm-up) is never dropped, and
+    `prefer` only where the model also prices the fastest's communication at least `clear_saving` below its own: a
+    slow outlier step can then cost a speed-up, not the safe choice where it is the right one. With `agreed_ratio`
+    (below `screen_ratio`), any other candidate goes already past `agreed_ratio` times the fastest where the model
+    also predicts it slower than the fastest: measurement and model agree.
+
+    `known` gives candidates whose step time is already measured (every rank's slowest, e.g. a schedule whose
+    traffic the change that started this choice leaves as it was): they run no trials and enter the decision
+    with that time."""
 
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
                  margin: float = 0.0, screen_ratio: float | None = None, agreed_ratio: float | None = None,
-                 disputed_margin: float | None = None, clear_saving: float = 0.0) -> None:
+                 known: dict[str, float] | None = None, disputed_margin: float | None = None,
+                 clear_saving: float = 0.0) -> None:
         self.repeats = repeats
+        self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
         self.disputed_margin = margin if disputed_margin is None else disputed_margin
@@ -168,18 +174,20 @@ class StepTimedChoice:
         self._set_candidates(list(candidates))
 
     def _set_candidates(self, candidates: list[str]) -> None:
-        self.candidates = list(candidates)
+        """`candidates` to time (the `known` ones are left out of the trials)."""
+        self.candidates = [c for c in candidates if c not in self.known]
+        if not self.candidates:  # everything measured already
+            self.trials, self.times, self.chosen = [], {}, None
+            self._decide_known()
+            return
         # round r runs the candidates rotated by r, so each takes every place in a round: the first steps of a run
         # get faster step by step (at loopback here ~250, 200, 170, 150 ms), and a fixed order timed the first
         # candidate (dense, the model's favourite on fast links) in the slowest place of every round
         n = len(self.candidates)
         rounds = [self.candidates[r % n:] + self.candidates[: r % n] for r in range(self.repeats)]
-        # the warm-up runs the safe candidate: its steps cost no more than without ds_cobalt, where the favourite's
-        # (the one with the least communication) may cost more compute than it saves on a fast link
-        warm = self.prefer if self.prefer in self.candidates else self.candidates[0]
-        self.trials = [warm] * self.warmup + [c for one in rounds for c in one]
+        self.trials = [self.candidates[0]] * self.warmup + [c for one in rounds for c in one]
         self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
-        self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 else None
+        self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 and not self.known else None
 
     @property
     def wants_model(self) -> bool:
@@ -260,23 +268,26 @@ class StepTimedChoice:
         kept = [c for c in self.candidates if c not in self.screened]
         self.trials = self.trials[: self._trial] + [c for c in self.trials[self._trial:] if c in kept]
         self.candidates = kept
-        if len(kept) == 1:  # decided: the first round's times (every rank's slowest) are shown
+        if len(kept) == 1 and not self.known:  # decided: the first round's times (every rank's slowest) are shown
             self.medians, self.chosen = first, kept[0]
 
     def _decide(self, groups: EPGroups) -> None:
         medians = self._slowest_rank([float(torch.tensor(self.times[c]).median()) for c in self.candidates], groups)
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
-        self._pick_fastest()
+        self._decide_known()
 
     def priced_below(self, a: str, b: str, saving: float = 0.0) -> bool:
         """The model prices `a`'s communication more than `saving` (a fraction) below `b`'s; False without both."""
         predicted = self.predicted
         return a in predicted and b in predicted and predicted[a] < (1.0 - saving) * predicted[b]
 
-    def _pick_fastest(self) -> None:
-        """The fastest of the timed `medians`, `prefer` kept within `margin` (or `disputed_margin`, where the model
-        prices the fastest's communication less than `clear_saving` below `prefer`'s)."""
-        contenders = {c: t for c, t in self.medians.items() if c not in self.screened}
+    def _decide_known(self) -> None:
+        """The fastest of the timed `medians` and the `known` times, `prefer` kept within `margin` (or
+        `disputed_margin`, where the model prices the fastest's communication less than `clear_saving` below
+        `prefer`'s)."""
+        timed = {c: t for c, t in self.medians.items() if c not in self.screened}
+        self.medians = {**self.medians, **self.known}
+        contenders = {**timed, **self.known}
         self.chosen = min(contenders, key=contenders.__getitem__)
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         disputed = (self.chosen in self.predicted and self.prefer in self.predicted

@@ -119,18 +119,19 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
         # a new layout (here: the same one installed again) times only the schedule kept so far (the last decision:
-        # a migration in the last steps may leave a re-timing running) against dense, which takes the warm-up step;
-        # the same layout keeps the model's predictions
-        out[f"{name}_next_candidates"], out[f"{name}_kept"] = [], []
-        out[f"{name}_inherited_model"], out[f"{name}_decisions"] = [], []
+        # a migration in the last steps may leave a re-timing running) against dense; dense's earlier time is carried
+        # over (`known`) only after a clear win (`owners_may_move`), else dense is timed again
+        out[f"{name}_next_candidates"], out[f"{name}_timed_dense"], out[f"{name}_kept"] = [], [], []
+        out[f"{name}_inherited_model"], out[f"{name}_decisions"], out[f"{name}_clear"] = [], [], []
         for layer in cobalt_layers(engine):
+            out[f"{name}_timed_dense"].append(layer.cobalt_core._dense_seconds is not None)
             out[f"{name}_kept"].append(layer.cobalt_core._kept_schedule)
+            out[f"{name}_clear"].append(layer.cobalt_core.owners_may_move)
             out[f"{name}_decisions"].append(list(layer.cobalt_core.schedule_history))
             predicted = dict(layer.cobalt_core._chooser.predicted)
             layer.cobalt_core.install_layout(layer.layout_slots.copy())
             chooser = layer.cobalt_core._chooser
-            out[f"{name}_next_candidates"].append((list(chooser.candidates), [] if chooser.chosen is not None else
-                                                   list(chooser.trials[:chooser.warmup])))
+            out[f"{name}_next_candidates"].append((list(chooser.candidates), dict(chooser.known)))
             out[f"{name}_inherited_model"].append(chooser.predicted == predicted != {})
         engine.destroy()
     # a plan step while `auto` still times the schedules: the re-plan waits until every layer has chosen
@@ -205,13 +206,17 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             for i, (slots, schedule) in enumerate(zip(out[f"{name}_slots"], out[f"{name}_schedules"])):
                 if schedule != "dense":  # E / W = 2 owner slots + planner.redundant_slots = 1, filled
                     assert slots.shape == (4, 3) and (slots[:, 2] >= 0).all(), (name, i, slots, history)
-        for schedule, (candidates, warm), inherited in zip(out["auto_kept"], out["auto_next_candidates"],
-                                                           out["auto_inherited_model"]):
+        for schedule, (candidates, known), timed_dense, clear, inherited in zip(
+                out["auto_kept"], out["auto_next_candidates"], out["auto_timed_dense"], out["auto_clear"],
+                out["auto_inherited_model"]):
             if schedule == "dense":
-                assert (candidates, warm) == (["dense"], []), (candidates, warm)
-            else:  # the kept schedule and dense, both timed again, dense in the warm-up step
-                assert sorted(candidates) == sorted([schedule, "dense"]) and warm == ["dense"], (schedule, candidates)
+                assert (candidates, known) == (["dense"], {}), (candidates, known)
+            elif timed_dense and clear:  # a re-timing against dense's time: no cost model of its own, the last one's
+                assert candidates == [schedule] and list(known) == ["dense"], (schedule, candidates, known)
                 assert inherited
+            else:  # a narrow win (or dense never timed): both timed again, the same layout keeps the model's order
+                assert sorted(candidates) == sorted([schedule, "dense"]) and not known, (schedule, candidates, known)
+                assert inherited or not timed_dense
         for schedule, decisions in zip(out["auto_kept"], out["auto_decisions"]):
             # every decision, in the order made: the first after the warm-up and trials, on the cost model's
             # predictions for all three candidates; the last is the schedule kept
@@ -220,7 +225,7 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
             assert set(first["model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}, decisions
             assert last["schedule"] == schedule and all(d["schedule"] for d in decisions), decisions
             assert [d["forward"] for d in decisions] == sorted({d["forward"] for d in decisions}), decisions
-        assert out["hierarchical_next_candidates"] == [(["hierarchical"], [])] * 2
+        assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
         assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
         early = out["early"]
         np.testing.assert_allclose(out["early_losses"], out["deepspeed"][:16], rtol=1e-5, atol=1e-6)

@@ -320,13 +320,13 @@ def test_step_timed_choice_needs_a_clear_win_where_the_model_disagrees(monkeypat
 
 
 @pytest.mark.parametrize("direct_s,hierarchical_s,seen,chosen", [
-    # (3 warm-up steps of dense, the safe candidate, then rounds in rotated order)
+    # (3 warm-up steps of the favourite, then rounds in rotated order)
     # direct's first step is 1.5x dense's: dropped after round 1; hierarchical (the favourite) stays and loses
-    (1.5, 1.1, ["dense"] * 3 + ["hierarchical", "direct", "dense", "dense", "hierarchical", "dense",
-                                "hierarchical", "dense"], "dense"),
+    (1.5, 1.1, ["hierarchical"] * 3 + ["hierarchical", "direct", "dense", "dense", "hierarchical", "dense",
+                                       "hierarchical", "dense"], "dense"),
     # within the ratio: nothing dropped, every candidate runs its three trials
-    (1.2, 1.1, ["dense"] * 3 + ["hierarchical", "direct", "dense", "direct", "dense", "hierarchical", "dense",
-                                "hierarchical", "direct", "dense"], "dense"),
+    (1.2, 1.1, ["hierarchical"] * 3 + ["hierarchical", "direct", "dense", "direct", "dense", "hierarchical", "dense",
+                                       "hierarchical", "direct", "dense"], "dense"),
 ])
 def test_step_timed_choice_drops_a_clearly_slower_candidate_after_one_round(monkeypatch, direct_s, hierarchical_s,
                                                                             seen, chosen) -> None:
@@ -377,7 +377,8 @@ def test_step_timed_choice_never_drops_the_favourite_or_the_preferred(monkeypatc
         slow_link = tile_tuner.StepTimedChoice(["hierarchical", "dense"], prefer="dense", screen_ratio=1.25,
                                                clear_saving=0.10)
         slow_link.use_model({"hierarchical": 1.0, "dense": dense_predicted}, [])
-        for c in ("dense", *slow_link.candidates):  # dense warms up
+        first = slow_link.candidates[0]
+        for c in (first, *slow_link.candidates):
             assert slow_link.pick(torch.device("cpu"), groups) == c
             now["t"] += 1.0 if c == "hierarchical" else 2.0
         slow_link.pick(torch.device("cpu"), groups)
@@ -415,24 +416,29 @@ def test_step_timed_choice_drops_sooner_where_the_model_agrees(monkeypatch, dire
 
 
 @pytest.mark.parametrize("hierarchical_s,chosen", [(0.6, "hierarchical"), (0.98, "dense"), (1.3, "dense")])
-def test_step_timed_choice_warms_up_on_dense_and_times_it_again(monkeypatch, hierarchical_s, chosen) -> None:
-    """A re-timing after a layout change (one warm-up step): dense, the safe candidate, runs the warm-up, then both
-    run their rounds side by side (no earlier time of dense stands in for a new one), margin included."""
+def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hierarchical_s, chosen) -> None:
+    """After a layout change dense's earlier time stands (its traffic does not depend on the layout): only the
+    kept schedule runs (warm-up + repeats), then one all-reduce compares it with that time, margin included."""
     from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.layer import SCHEDULE_WARMUP, LayerCore
     from ds_cobalt.runtime.topology import EPGroups
 
     groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
-    chooser = LayerCore._schedule_chooser(["hierarchical", "dense"], warmup=1)
-    cost = {"hierarchical": hierarchical_s, "dense": 1.0}
+    chooser = LayerCore._schedule_chooser(["hierarchical", "dense"], known={"dense": 1.0})
+    assert chooser.candidates == ["hierarchical"] and not chooser.wants_model and chooser.chosen is None
     now = {"t": 0.0}
     monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
     picks = []
     while chooser.chosen is None:
         picks.append(chooser.pick(torch.device("cpu"), groups))
-        now["t"] += cost[picks[-1]]
-    assert picks == ["dense", "hierarchical", "dense", "dense", "hierarchical", "hierarchical", "dense", chosen]
-    assert chooser.chosen == chosen and chooser.medians == pytest.approx(cost)
+        now["t"] += hierarchical_s
+    # SCHEDULE_WARMUP + 3 steps timed, the next forward runs the choice
+    assert picks == ["hierarchical"] * (SCHEDULE_WARMUP + 3) + [chosen]
+    assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
+    # everything known: decided at once, no trial, no collective
+    assert tile_tuner.StepTimedChoice(["dense"], known={"dense": 1.0}).chosen == "dense"
+    assert tile_tuner.StepTimedChoice(["hierarchical", "dense"], known={"hierarchical": 1.0, "dense": 2.0},
+                                      prefer="dense").chosen == "hierarchical"
 
 
 def test_step_timed_choice_follows_the_model() -> None:
