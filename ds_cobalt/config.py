@@ -64,12 +64,13 @@ class PlannerConfig(_Section):
     re-plan chose until the next one; `"auto"` (default) times both on the layer's next steps after each layout
     change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree).
     `plan_before_trials`: right after step 1, plan the layers whose `auto` cost model expects a schedule that gains
-    from the layout (it prices hierarchical or direct at least 10 % below dense, `LayerCore.expects_layout_gain`),
-    applied before their schedule trials start (after step 3 at the latest), so the trials time, and the first
-    dozen steps run, a planned layout instead of the contiguous one (one step of statistics: the planner samples
-    at most `sample_tokens` recent rows per rank anyway). Owners move then only where the model rules dense out,
-    and at later re-plans only where it does or the layer's schedule measured at least 15 % faster than dense
-    (`LayerCore.owners_may_move`); another layer takes the plan's spare slots only.
+    from the layout (it rules dense out, or prices hierarchical or direct at least 10 % below dense with a saving
+    material to the step, `LayerCore.expects_layout_gain`), applied before their schedule trials start (after
+    step 3 at the latest), so the trials time, and the first dozen steps run, a planned layout instead of the
+    contiguous one (one step of statistics: the planner samples at most `sample_tokens` recent rows per rank
+    anyway). Owners move then only where the model rules dense out, and at later re-plans only where it does or
+    the layer's schedule measured at least 15 % faster than dense (`LayerCore.owners_may_move`); another layer
+    takes the plan's spare slots only.
     `confirm_on_newer_routing`: the decisions are checked, when applied, on the rows routed since the plan's sample
     (the latest `sample_tokens` per rank, gathered in the same all_reduce as the decisions): a layer keeps its
     layout where a replica change is worse on them, or where a migration no longer pays at its per-token gain less

@@ -275,7 +275,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"expert load max/mean  {load_max_over_mean:.3f} over {len(rows)} ranks"
                   f"{'' if args.moe_impl == 'cobalt' else ' (routing demand)'}; migrations {migrations}")
         if schedules:
-            print(f"transport schedule    {', '.join(s or 'undecided' for s in schedules)} (per MoE layer)")
+            # `auto`'s gate: dense kept without trials where the cost model's saving is immaterial to the step
+            untimed = [row["history"][0].get("untimed_saving_share") for row in decisions if row.get("history")]
+            why = (f"; kept without trials: the cost model's saving over dense is {100 * max(untimed):.1f} % of a "
+                   "step" if untimed and None not in untimed else "")
+            print(f"transport schedule    {', '.join(s or 'undecided' for s in schedules)} (per MoE layer{why})")
         if padded:
             print(
                 f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"

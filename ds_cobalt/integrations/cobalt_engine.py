@@ -5,7 +5,8 @@ then makes that object a `CobaltEngine` in place (a class change, as AutoEP laye
 same state), so `isinstance(engine, DeepSpeedEngine)` still holds. A subclass of DeepSpeed's engine (e.g.
 `PipelineEngine`) gets a matching subclass. What it adds:
 - `step`: commits any pending asynchronous migration first; after an optimizer step (at gradient-accumulation
-  boundaries) runs the configured step hooks: traffic logging, traces, the replanner, DeepSpeed's monitor
+  boundaries) runs the configured step hooks: traffic logging, traces, `auto`'s gate before its schedule trials
+  (`schedule_gate.py`), the replanner, DeepSpeed's monitor
   (TensorBoard / CSV / W&B: schedule decisions, traffic counters every `traffic.log_interval` steps);
 - `save_checkpoint` / `load_checkpoint`: logical expert order and portable state (`checkpoint.py`), as
   configured under `cobalt.migration`; a pending migration is committed before a save.
@@ -20,11 +21,13 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import logger
 
 from ..config import CobaltConfig
+from ..runtime.layer import LayerCore
 from . import checkpoint
 from .layers import SCHEDULES, layer_cores, traffic_summary
 from .migration import flush_pending
 from .replan import Replanner
 from .replan_state import latest_tag_directory, load_replan_state, save_replan_state, tag_directory
+from .schedule_gate import ScheduleGate
 from .trace import save_trace, start_trace, stop_trace
 
 StepHook = Callable[["CobaltEngine"], None]
@@ -38,6 +41,7 @@ class CobaltEngine(DeepSpeedEngine):
     commits_pending_migrations = True  # migrate(asynchronous=True) relies on step/save committing first
     cobalt_config: CobaltConfig | None
     cobalt_step_hooks: list[StepHook]
+    _cobalt_cores: list[LayerCore] | None
 
     @classmethod
     def adopt(cls, engine: DeepSpeedEngine, config: CobaltConfig | None) -> "CobaltEngine":
@@ -49,6 +53,7 @@ class CobaltEngine(DeepSpeedEngine):
             engine.__class__ = _cobalt_class(type(engine))
         assert isinstance(engine, CobaltEngine)
         engine.cobalt_config = config
+        engine._cobalt_cores = None  # the layers' cores, found at the first step (a module walk: ~1 ms a step)
         engine._close_hooks()
         engine.cobalt_step_hooks = engine._configured_hooks(config) if config is not None else []
         return engine
@@ -70,7 +75,9 @@ class CobaltEngine(DeepSpeedEngine):
         boundary = self.is_gradient_accumulation_boundary()
         out = super().step(*args, **kwargs)
         if boundary:
-            for core in layer_cores(self):
+            if self._cobalt_cores is None:
+                self._cobalt_cores = layer_cores(self)
+            for core in self._cobalt_cores:
                 core.step_end()
             for hook in self.cobalt_step_hooks:
                 hook(self)
@@ -83,6 +90,8 @@ class CobaltEngine(DeepSpeedEngine):
             hooks.append(functools.partial(_log_traffic, interval=cobalt.traffic.log_interval))
         if cobalt.trace.path:
             hooks.append(_trace_hook(self, cobalt))
+        if cobalt.transport.schedule == "auto":  # before the replanner: its plans follow the first choices
+            hooks.append(ScheduleGate())
         if cobalt.planner.replan_interval:
             hooks.append(Replanner(self, cobalt))
         if getattr(getattr(self, "monitor", None), "enabled", False):

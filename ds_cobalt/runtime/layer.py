@@ -19,7 +19,8 @@ Schedules (`transport.schedule`): `hierarchical` runs the exchange on the real t
 way over the whole group, each token once per destination rank); `dense` runs DeepSpeed's padded exchange.
 `auto`, after each layout change, lets the cost model (`schedule_model`) rule out what communication alone makes
 slower, times the rest on the next steps (`StepTimedChoice`) and keeps the fastest; the choice is logged and
-kept in `schedule`.
+kept in `schedule`. Before the first trials a step hook may settle the layer on dense instead, where the model's
+saving is small against the step (`settle_dense`, called by `integrations/schedule_gate.py`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class LayerCore:
         # schedule, also when it comes while the previous re-timing is still running
         self._kept_schedule: str | None = None
         self._dense_seconds: float | None = None
+        self._chooser_from_forward = 0  # forwards run before the current choice started
+        self.layout_gain_material = True  # `ScheduleGate`: the model's saving matters to the step (after step 1)
         self.forwards = 0  # forward passes run (training and eval)
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
@@ -265,6 +268,7 @@ class LayerCore:
         warmup = SCHEDULE_WARMUP if before is None else 1
         self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
                                                warmup)  # every layout
+        self._chooser_from_forward = self.forwards
         if known and before is not None and before.predicted:
             # a re-timing against dense's earlier time runs no cost model: the last prediction sets its margin
             # (`CLEAR_SAVING`; for the layout before, which the kept schedule's traffic only gains on)
@@ -340,16 +344,61 @@ class LayerCore:
 
     @property
     def expects_layout_gain(self) -> bool:
-        """Before `auto`'s first choice for this layer: whether its cost model rules dense out or prices a schedule
-        whose traffic follows the layout (hierarchical, direct) at least `CLEAR_SAVING` below dense's. The replanner
-        then plans the layer before its trials start (`planner.plan_before_trials`), so they time the layout it
-        will run, not the contiguous one."""
+        """Before `auto`'s first choice for this layer: whether its cost model rules dense out, or prices a schedule
+        whose traffic follows the layout (hierarchical, direct) at least `CLEAR_SAVING` below dense's and that saving
+        is material to the step (`layout_gain_material`, set by `ScheduleGate` after step 1). The replanner then
+        plans the layer before its trials start (`planner.plan_before_trials`), so they time the layout it will run,
+        not the contiguous one."""
         chooser = self._chooser
         if chooser is None or self.first_schedule_chosen or not chooser.predicted:
             return False
         if DENSE in chooser.pruned:
             return True
-        return any(c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
+        return self.layout_gain_material and any(
+            c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
+
+    @property
+    def dense_contested(self) -> bool:
+        """Before `auto`'s first choice: the cost model has priced this layer's candidates and left dense among
+        several to time."""
+        chooser = self._chooser
+        return (not self.first_schedule_chosen and chooser is not None and bool(chooser.predicted)
+                and DENSE in chooser.candidates and len(chooser.candidates) > 1)
+
+    @property
+    def first_trials_due(self) -> bool:
+        """`dense_contested`, and the warm-up steps are over: the next forward starts timing the candidates
+        (`ScheduleGate` may settle the layer on dense first)."""
+        return self.dense_contested and self._chooser.trials_due
+
+    @property
+    def warmup_step_s(self) -> float | None:
+        """This rank's median warm-up window of the current choice (the layer's forward to the end of the
+        optimizer step), leaving out the run's first step where there are others; None before one."""
+        windows = self._chooser.warmup_s if self._chooser is not None else []
+        if self._chooser_from_forward == 0 and len(windows) > 1:
+            windows = windows[1:]
+        return float(np.median(windows)) if windows else None
+
+    def predicted_dense_gaps(self) -> tuple[float, float]:
+        """`(best, warm-up)`: the cost model's communication seconds of dense minus those of the best other
+        candidate it kept, and minus those of the candidate that ran the warm-up steps (its favourite); for
+        `first_trials_due` layers."""
+        chooser = self._chooser
+        predicted = chooser.predicted
+        others = [predicted[c] for c in chooser.candidates if c != DENSE]
+        favourite = chooser.candidates[0]
+        return predicted[DENSE] - min(others), predicted[DENSE] - predicted[favourite]
+
+    def settle_dense(self, saving_share: float) -> None:
+        """Make `auto`'s first choice dense without trials: the cost model's saving over dense, `saving_share` of a
+        step, is too small for the trials to resolve or to repay them (`ScheduleGate`)."""
+        before = self._chooser
+        self._chooser = StepTimedChoice([DENSE])
+        self._chooser.predicted, self._chooser.pruned = dict(before.predicted), list(before.pruned)
+        self._kept_schedule, self._dense_seconds = DENSE, None
+        self.schedule_history.append({"forward": self.forwards, "schedule": DENSE, "timings_s": {},
+                                      "model": self.schedule_model, "untimed_saving_share": saving_share})
 
     @property
     def owners_may_move(self) -> bool:

@@ -171,6 +171,7 @@ class StepTimedChoice:
         self.pruned: list[str] = []  # candidates the model ruled out
         self._trial = 0
         self._started: float | None = None
+        self.warmup_s: list[float] = []  # the warm-up steps' seconds on this rank (not in the decision)
         self._set_candidates(list(candidates))
 
     def _set_candidates(self, candidates: list[str]) -> None:
@@ -194,6 +195,11 @@ class StepTimedChoice:
         """True before the first trial of a choice between several candidates that no model has ordered yet."""
         return (self.chosen is None and self._trial == 0 and self._started is None and not self.predicted
                 and len(self.candidates) > 1)
+
+    @property
+    def trials_due(self) -> bool:
+        """The warm-up steps are over and no trial is timed yet: the next `pick` starts the trials."""
+        return self.chosen is None and self._trial == self.warmup and self._started is None
 
     def use_model(self, predicted: dict[str, float], pruned: Sequence[str]) -> None:
         """Before the trials: leave out `pruned` and time the rest best-predicted first (it also takes the
@@ -233,6 +239,8 @@ class StepTimedChoice:
     def _close(self, now: float) -> None:
         if self._trial >= self.warmup:
             self.times[self.trials[self._trial]].append(now - self._started)
+        else:
+            self.warmup_s.append(now - self._started)
         self._trial += 1
         self._started = None
 

@@ -22,8 +22,9 @@ def _engine_body(rank: int, world: int) -> dict:
     out["hooks"] = [type(h).__name__ for h in engine.cobalt_step_hooks]
     out["planning"] = [core.stats.planning for core in layer_cores(engine)]
     out["same_layers"] = [layer.cobalt_core is core for layer, core in zip(cobalt_layers(engine), layer_cores(engine))]
-    train(engine, range(6))
+    train(engine, range(2))  # (before `auto`'s first choices: a layer settled on dense counts load only)
     out["replan_samples"] = int(sum(float(core.stats.coact_EE.sum()) for core in layer_cores(engine)))
+    train(engine, range(2, 6))
     pending = migrate(engine, [random_owner_layout(np.random.default_rng(3)) for _ in range(2)], asynchronous=True)
     train(engine, range(6, 7))  # the forward commits each layer, the step would flush the rest
     out["pending_ok"] = bool(pending.done and pending.report is not None and pending.report.ok)
@@ -53,7 +54,7 @@ def test_initialize_returns_a_cobalt_engine_with_methods(run_ranks) -> None:
     for out in run_ranks(_engine_body, 4, ranks_per_node=2, timeout=300):
         assert out["types"] == (True, True)
         assert out["patched"] == []  # behaviour comes from the class, not from attributes on the instance
-        assert out["hooks"] == ["Replanner"]
+        assert out["hooks"] == ["ScheduleGate", "Replanner"]
         assert out["planning"] == [True, True]  # a replanner reads co-activation, so it is counted
         assert out["same_layers"] == [True, True]
         assert out["replan_samples"] > 0
@@ -102,6 +103,7 @@ def _default_body(rank: int, world: int) -> dict:
 
     from ds_cobalt.integrations.engine import cobalt_layers
     from ds_cobalt.integrations.replan import Replanner
+    from ds_cobalt.integrations.schedule_gate import ScheduleGate
 
     steps = range(57)
     engine = build_engine("deepspeed", 1)
@@ -115,6 +117,7 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_history"] = [(h["planned_after_step"], h["step"], h["planned"], h["dense_skipped"],
                                    h["before_trials"]) for h in hook.history]
         out[f"{name}_dense_skips"] = list(hook.dense_skips)
+        out[f"{name}_gate"] = [g.decisions for g in engine.cobalt_step_hooks if isinstance(g, ScheduleGate)]
         out[f"{name}_deferred"] = list(hook.deferred)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
@@ -218,13 +221,27 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
                 assert sorted(candidates) == sorted([schedule, "dense"]) and not known, (schedule, candidates, known)
                 assert inherited or not timed_dense
         for schedule, decisions in zip(out["auto_kept"], out["auto_decisions"]):
-            # every decision, in the order made: the first after the warm-up and trials, on the cost model's
-            # predictions for all three candidates; the last is the schedule kept
+            # every decision, in the order made: the first after the warm-up, on the cost model's predictions for all
+            # three candidates (dense without trials where the gate found the model's saving immaterial, else after
+            # the trials); the last is the schedule kept
             first, last = decisions[0], decisions[-1]
-            assert first["forward"] > SCHEDULE_WARMUP + 1, decisions
+            if "untimed_saving_share" in first:
+                assert (first["forward"], first["schedule"], first["timings_s"]) == (SCHEDULE_WARMUP, "dense", {})
+                assert len(decisions) == 1, decisions
+            else:
+                assert first["forward"] > SCHEDULE_WARMUP + 1, decisions
             assert set(first["model"]["predicted_comm_s"]) == {"hierarchical", "direct", "dense"}, decisions
             assert last["schedule"] == schedule and all(d["schedule"] for d in decisions), decisions
             assert [d["forward"] for d in decisions] == sorted({d["forward"] for d in decisions}), decisions
+        # the gate (`auto` only) checked both layers after step 1 (the plan before the trials) and after the warm-up
+        # (the trials); it settled them where the history says
+        assert out["hierarchical_gate"] == [] and len(out["auto_gate"]) == 1, out["auto_gate"]
+        plan, trials = out["auto_gate"][0]
+        assert [(g["step"], g["for"], g["layers"]) for g in (plan, trials)] == [(1, "plan", 2),
+                                                                                  (SCHEDULE_WARMUP, "trials", 2)]
+        assert plan["step_s"] > 0 and trials["step_s"] > 0, (plan, trials)
+        assert all(("untimed_saving_share" in d[0]) == (trials["immaterial_share"] is not None)
+                   for d in out["auto_decisions"]), (trials, out["auto_decisions"])
         assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
         assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
         early = out["early"]
@@ -321,6 +338,70 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
                 layer.settled_dense = settles_on == "dense"
             hook(types.SimpleNamespace(global_steps=step))
         assert (hook.started, hook.dense_skips, hook.deferred) == (started, skipped, [(4, 6)]), settles_on
+
+
+@pytest.mark.parametrize("gaps, step_s, share", [
+    ([(0.0006, 0.0006), (0.0006, 0.0006)], 0.15, 0.0012 / 0.1512),  # loopback: ~1 % of a step
+    ([(0.009, 0.009), (0.008, 0.008)], 0.23, 0.017 / 0.247),  # 7 % of a step
+    ([(0.056, 0.056), (0.043, 0.043)], 0.34, None),  # 22 %: the trials run
+    ([(-0.004, -0.004), (-0.005, -0.005)], 0.12, 0.0),  # dense the cheapest: no saving
+    ([(0.02, -0.01)], 0.19, None),  # the warm-up ran a slower favourite: a dense step is 0.18 s, 11 %
+])
+def test_immaterial_share_compares_the_saving_with_a_dense_step(gaps, step_s, share) -> None:
+    """`immaterial_share`: the model's saving over dense, summed over the layers, as a share of a dense step (the
+    warm-up's step corrected by the favourite's predicted gap), when below MATERIAL_SAVING."""
+    from ds_cobalt.integrations.schedule_gate import immaterial_share
+
+    assert immaterial_share(gaps, step_s) == (None if share is None else pytest.approx(share))
+
+
+def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_warm_up() -> None:
+    """`ScheduleGate` (one process, stand-in layers): after step 1 it marks whether the model's saving is material
+    to a step (the plan before the trials), and when the warm-ups end it settles the layers on dense where the saving
+    is immaterial against their longest warm-up window (nothing where it matters); idle after the first choices."""
+    import types
+
+    from ds_cobalt.integrations import schedule_gate
+
+    class Layer:
+        def __init__(self, gap: float, window_s: float) -> None:
+            self.gap, self.warmup_step_s, self.step = gap, window_s, 0
+            self.first_schedule_chosen, self.settled, self.layout_gain_material = False, None, True
+            self.groups = types.SimpleNamespace(ep_group=None)
+
+        @property
+        def dense_contested(self) -> bool:
+            return not self.first_schedule_chosen
+
+        @property
+        def first_trials_due(self) -> bool:
+            return self.dense_contested and self.step == 3
+
+        def predicted_dense_gaps(self) -> tuple[float, float]:
+            return self.gap, self.gap
+
+        def settle_dense(self, share: float) -> None:
+            self.first_schedule_chosen, self.settled = True, share
+
+    def run(gaps: list[float], windows: list[float]) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
+        layers = [Layer(gap, window) for gap, window in zip(gaps, windows)]
+        gate = schedule_gate.ScheduleGate()
+        gate._cores = layers
+        for step in range(1, 6):
+            for layer in layers:
+                layer.step = step
+            gate(types.SimpleNamespace(global_steps=step))
+        return layers, gate
+
+    layers, gate = run([0.005, 0.005], [0.25, 0.2])  # 0.01 s against a dense step of 0.25 + 0.01 s
+    assert [layer.settled for layer in layers] == [pytest.approx(0.01 / 0.26)] * 2
+    assert [layer.layout_gain_material for layer in layers] == [False, False]
+    assert [(d["step"], d["for"], d["layers"], d["step_s"]) for d in gate.decisions] == [
+        (1, "plan", 2, 0.25), (3, "trials", 2, 0.25)]
+    layers, gate = run([0.05, 0.05], [0.25, 0.2])  # 0.1 s of 0.35: the plan and the trials run
+    assert [layer.settled for layer in layers] == [None, None]
+    assert [layer.layout_gain_material for layer in layers] == [True, True]
+    assert [d["immaterial_share"] for d in gate.decisions] == [None, None]
 
 
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:

@@ -456,27 +456,76 @@ def test_step_timed_choice_follows_the_model() -> None:
     assert alone.chosen == "hierarchical" and alone.candidates == ["hierarchical"]
 
 
-@pytest.mark.parametrize("predicted, pruned, expected", [
-    ({"hierarchical": 0.8, "direct": 0.95, "dense": 1.0}, [], True),  # 20 % below dense: a layout pays
-    ({"hierarchical": 0.95, "direct": 0.92, "dense": 1.0}, [], False),  # within CLEAR_SAVING of dense
-    ({"hierarchical": 1.5, "direct": 2.0, "dense": 1.0}, [], False),  # dense is the favourite
-    ({"hierarchical": 0.3, "direct": 2.0, "dense": 1.0}, ["hierarchical"], False),  # only a pruned one would gain
-    ({"hierarchical": 0.5, "direct": 0.6, "dense": 5.0}, ["dense"], True),  # dense ruled out
+@pytest.mark.parametrize("predicted, pruned, material, expected", [
+    ({"hierarchical": 0.8, "direct": 0.95, "dense": 1.0}, [], True, True),  # 20 % below dense: a layout pays
+    ({"hierarchical": 0.8, "direct": 0.95, "dense": 1.0}, [], False, False),  # ... but not against the step
+    ({"hierarchical": 0.95, "direct": 0.92, "dense": 1.0}, [], True, False),  # within CLEAR_SAVING of dense
+    ({"hierarchical": 1.5, "direct": 2.0, "dense": 1.0}, [], True, False),  # dense is the favourite
+    ({"hierarchical": 0.3, "direct": 2.0, "dense": 1.0}, ["hierarchical"], True, False),  # only a pruned one gains
+    ({"hierarchical": 0.5, "direct": 0.6, "dense": 5.0}, ["dense"], False, True),  # dense ruled out
 ])
-def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predicted, pruned, expected) -> None:
-    """`LayerCore.expects_layout_gain` (the plan before `auto`'s trials): the model prices a layout-dependent
-    schedule at least CLEAR_SAVING below dense, or rules dense out; never without a model or after the choice."""
+def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predicted, pruned, material,
+                                                                           expected) -> None:
+    """`LayerCore.expects_layout_gain` (the plan before `auto`'s trials): the model rules dense out, or prices a
+    layout-dependent schedule at least CLEAR_SAVING below dense and that saving is material to the step
+    (`layout_gain_material`, from `ScheduleGate`); never without a model or after the choice."""
     from ds_cobalt.runtime.layer import LayerCore
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
 
     core = LayerCore.__new__(LayerCore)
-    core._kept_schedule = None
+    core._kept_schedule, core.layout_gain_material = None, material
     core._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
     assert not core.expects_layout_gain  # no model yet
     core._chooser.use_model(predicted, pruned)
     assert core.expects_layout_gain is expected
     core._kept_schedule = "hierarchical"  # the first choice is made: the usual re-plans take over
     assert not core.expects_layout_gain
+
+
+def test_first_trials_due_after_the_warm_up_and_settle_dense_makes_the_choice(monkeypatch) -> None:
+    """`LayerCore.first_trials_due`: the warm-up steps of the model's favourite are over and dense is among the
+    candidates to time; `warmup_step_s` is the median warm-up window without the run's first step;
+    `predicted_dense_gaps` gives the model's saving of the best and of the favourite; `settle_dense` makes dense the
+    first choice without trials, recorded (with the share) in the history, and then no owner may move."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    core = LayerCore.__new__(LayerCore)
+    core._kept_schedule, core._dense_seconds, core.forwards, core.schedule_history = None, None, 0, []
+    core._chooser_from_forward, core.layout_gain_material = 0, True
+    core._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    assert not core.first_trials_due and core.warmup_step_s is None  # no model, no window
+    core._chooser.use_model({"hierarchical": 0.5, "direct": 0.7, "dense": 1.0}, [])
+    assert core.dense_contested
+    windows = [2.0, 0.3, 0.2][:SCHEDULE_WARMUP]
+    for n, window in enumerate(windows):
+        assert not core.first_trials_due
+        assert core._chooser.pick(torch.device("cpu"), groups) == "hierarchical"
+        core.forwards += 1
+        now["t"] += window
+        core._chooser.step_end(torch.device("cpu"))
+        assert core.warmup_step_s == pytest.approx(2.0 if n == 0 else float(np.median(windows[1: n + 1])))
+    assert core.first_trials_due
+    assert core.predicted_dense_gaps() == pytest.approx((0.5, 0.5))
+    core.settle_dense(0.04)
+    assert core.schedule == DENSE and core.first_schedule_chosen and not core.first_trials_due
+    assert core.schedule_history == [{"forward": SCHEDULE_WARMUP, "schedule": DENSE, "timings_s": {},
+                                      "model": {"predicted_comm_s": {"hierarchical": 0.5, "direct": 0.7, "dense": 1.0},
+                                                "pruned": []},
+                                      "untimed_saving_share": 0.04}]
+    assert not core.owners_may_move and not core.expects_layout_gain
+    # dense pruned by the model: nothing to gate
+    ruled_out = LayerCore.__new__(LayerCore)
+    ruled_out._kept_schedule, ruled_out._chooser_from_forward = None, 0
+    ruled_out._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"], warmup=1)
+    ruled_out._chooser.use_model({"hierarchical": 0.1, "direct": 0.2, "dense": 1.0}, ["dense"])
+    ruled_out._chooser.pick(torch.device("cpu"), groups)
+    ruled_out._chooser.step_end(torch.device("cpu"))
+    assert ruled_out._chooser.trials_due and not ruled_out.dense_contested and not ruled_out.first_trials_due
 
 
 def _routing(rng, E: int, K: int, W: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:

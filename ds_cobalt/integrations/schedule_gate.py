@@ -1,0 +1,104 @@
+"""`ScheduleGate`: `auto` tries schedules against dense only where the cost model's saving matters to the step.
+
+`transport.schedule: "auto"` warms a layer up on the cost model's favourite, then times every candidate for a few
+steps (`LayerCore`, `StepTimedChoice`). Those trials cost steps of the slower candidates, and a measured win of a
+few percent is within the spread of single steps. The model prices each schedule's communication only (the CPU
+work of the hierarchical and direct exchanges is not in it), so a saving it predicts that is small against the
+whole step can neither be resolved by the trials nor be relied on. This step hook sums the model's saving over
+dense across the layers that still make their first choice and compares it with a dense step: the layers'
+warm-up windows (forward to the end of the optimizer step; the slowest rank's, one all-reduce) plus dense's
+predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
+- after step 1 (`BEFORE_TRIALS_STEP`): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
+  whose model does not rule dense out; the planner worker's CPU would be spent beside the first steps;
+- when the warm-up ends, before the first trial (a window of the run's first step left out): the layers settle on
+  dense, DeepSpeed's own exchange, with no trials (`LayerCore.settle_dense`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import logger
+
+from ..runtime.comm import all_reduce_host
+from ..runtime.layer import LayerCore
+from .layers import layer_cores
+from .replan import BEFORE_TRIALS_STEP
+
+__all__ = ["MATERIAL_SAVING", "ScheduleGate", "immaterial_share"]
+
+# the model's communication saving over dense, as a share of a dense step, below which no trials run: twice the
+# trials' own margin (`layer.DENSE_MARGIN`); on the 2 x 2 testbed the saving the model priced at 6-8 % of a step
+# (fine-grained model, 1 Gbit/s) measured within 2 % of DeepSpeed's steps once chosen, after trials and re-plans
+# that cost ~8 % of a 60-step run, while the wins at 100 Mbit/s were priced at 20 % and more
+MATERIAL_SAVING = 0.10
+
+
+def immaterial_share(gaps: list[tuple[float, float]], warmup_step_s: float) -> float | None:
+    """The model's saving over dense as a share of a dense step, when it is below `MATERIAL_SAVING` (else None).
+    `gaps`: per layer, `LayerCore.predicted_dense_gaps` (dense minus the best other candidate, dense minus the
+    warm-up's favourite); `warmup_step_s`: a step of the warm-up, which ran the favourites."""
+    saving = sum(max(0.0, best) for best, _ in gaps)
+    dense_step_s = warmup_step_s + sum(favourite for _, favourite in gaps)
+    if dense_step_s <= 0.0:
+        return None
+    share = saving / dense_step_s
+    return share if share < MATERIAL_SAVING else None
+
+
+class ScheduleGate:
+    """The step hook (`CobaltEngine`, with `transport.schedule` "auto"); idle once every layer's first choice is
+    made."""
+
+    def __init__(self) -> None:
+        self._cores: list[LayerCore] | None = None
+        self.decisions: list[dict[str, Any]] = []  # per check: step, what for, layers, step seconds, immaterial share
+
+    def __call__(self, engine: Any) -> None:
+        if self._cores is None:
+            self._cores = layer_cores(engine)
+        contested = [core for core in self._cores if core.dense_contested]
+        if not contested:
+            return
+        step = int(engine.global_steps)
+        if step == BEFORE_TRIALS_STEP:
+            for cores, share in self._verdicts(step, "plan", contested):
+                for core in cores:
+                    core.layout_gain_material = share is None
+        due = [core for core in contested if core.first_trials_due]
+        for cores, share in self._verdicts(step, "trials", due):
+            if share is None:
+                continue
+            for core in cores:
+                core.settle_dense(share)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.info(f"ds_cobalt transport: {len(cores)} layer(s) keep the dense schedule without trials: the "
+                            f"cost model's saving over it is {100 * share:.1f} % of a dense step (below "
+                            f"{100 * MATERIAL_SAVING:.0f} %)")
+
+    def _verdicts(self, step: int, purpose: str, cores: list[LayerCore]) -> list[tuple[list[LayerCore], float | None]]:
+        """Per EP group of `cores` (in layer order): its cores and `immaterial_share` on the slowest rank's longest
+        warm-up window (one all-reduce per group; the same cores on every rank of a group)."""
+        out = []
+        for group in _groups_in_order(cores):
+            mine = [core for core in cores if core.groups.ep_group is group]
+            window_s = max((core.warmup_step_s or 0.0) for core in mine)
+            if group is not None:
+                window_s = float(all_reduce_host(torch.tensor([window_s], dtype=torch.float64), dist.ReduceOp.MAX,
+                                                 group)[0])
+            share = immaterial_share([core.predicted_dense_gaps() for core in mine], window_s) if window_s else None
+            self.decisions.append({"step": step, "for": purpose, "layers": len(mine), "step_s": window_s,
+                                   "immaterial_share": share})
+            out.append((mine, share))
+        return out
+
+
+def _groups_in_order(cores: list[LayerCore]) -> list:
+    """The distinct EP groups of `cores`, in layer order (the same on every rank of a group)."""
+    out: list = []
+    for core in cores:
+        if not any(core.groups.ep_group is g for g in out):
+            out.append(core.groups.ep_group)
+    return out
