@@ -61,8 +61,10 @@ class PlannerConfig(_Section):
     past it the worker is stopped, its layers keep their layout, and the next interval plans them again.
     `stage2`: `"step"` refills the spare slots that hold no cross-node traffic copy in every forward of the
     hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the replicas the
-    re-plan chose until the next one; `"auto"` (default) times both on the layer's next steps after each layout
-    change, once the hierarchical schedule is chosen, and keeps the faster (all ranks agree).
+    re-plan chose until the next one; `"auto"` (default) times both, and the layout without its replicas
+    (`"none"`: each replica costs a weight fetch and a gradient return every step), on the layer's next steps after
+    each layout change, once the schedule is chosen, and keeps the fastest (all ranks agree; the direct schedule
+    times the re-plan's replicas against none, `LayerCore.replica_modes`).
     `plan_before_trials`: right after step 1, plan the layers whose `auto` cost model expects a schedule that gains
     from the layout (it rules dense out, or prices hierarchical or direct at least 10 % below dense with a saving
     material to the step, `LayerCore.expects_layout_gain`), applied before their schedule trials start (after

@@ -64,11 +64,14 @@ def balance_summary(model: torch.nn.Module) -> dict[str, float | int]:
 def schedule_summary(model: torch.nn.Module) -> list[dict]:
     """Per layer: the transport schedule in use; after an `auto` decision, each candidate's median step
     seconds (slowest rank), and, once `auto` has a choice to make, the cost model's input (`model`:
-    `predicted_comm_s` per candidate, the candidates it `pruned`); `stage2`: "step" or "interval" for this layout
-    (None: no spare slot to refill, or `planner.stage2: "auto"` still timing); `history`: every decision so far
-    (`forward`: the layer's forward, 1-based, that it came in; `schedule`, `timings_s`, `model` as above)."""
+    `predicted_comm_s` per candidate, the candidates it `pruned`); `stage2`: "step", "interval" or "none" for this
+    layout (None: no spare slot, or `planner.stage2: "auto"` still timing); `history`: every decision so far
+    (`forward`: the layer's forward, 1-based, that it came in; `schedule`, `timings_s`, `model` as above; a dense
+    choice made without trials adds `untimed_saving_share`); `stage2_history`: every timed `stage2` choice
+    (`forward`, `schedule`, `stage2`, `timings_s`)."""
     return [{"layer": i, "schedule": core.schedule, "timings_s": core.schedule_timings, "model": core.schedule_model,
-             "stage2": core.stage2, "history": list(core.schedule_history)}
+             "stage2": core.stage2, "history": list(core.schedule_history),
+             "stage2_history": list(core.replica_history)}
             for i, core in enumerate(layer_cores(model))]
 
 

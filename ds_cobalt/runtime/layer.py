@@ -166,7 +166,11 @@ class LayerCore:
         self._dense_capacities: set[int] = set()  # fixed capacities all ranks confirmed for `dense`
         self._replica_plan: ReplicaPlan | None = None
         self._spares: NodeSpares | None = None  # stage 2 every step (hierarchical schedule), None = off
-        self._stage2_chooser: StepTimedChoice | None = None  # `planner.stage2: "auto"`: step or interval, timed
+        # the layout without its spare slots' replicas: (hierarchical, flat) placements, None without spare slots
+        self._bare: tuple[LayerPlacement, LayerPlacement] | None = None
+        # how the chosen schedule uses the spare slots (`replica_modes`), timed where several; None = the layout's
+        self._replica_chooser: StepTimedChoice | None = None
+        self._replica_schedule: str | None = None  # the schedule `_replica_chooser` times for
         self._device = device  # where the layer's weights are now (lookup tables follow them)
         self._backend: tuple[torch.device, str] | None = None  # (device, kernel backend resolved for it)
         # the last `auto` decision and dense's step seconds in it (None before one): a new layout re-times the kept
@@ -178,6 +182,8 @@ class LayerCore:
         self.forwards = 0  # forward passes run (training and eval)
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
+        # every timed choice of `stage2` (how the spare slots are used): forward, schedule, mode, median step seconds
+        self.replica_history: list[dict] = []
 
     # ----- groups and layout -----------------------------------------------------------------------
     def attach(self, groups: EPGroups) -> None:
@@ -250,12 +256,17 @@ class LayerCore:
         self._placement = build_placement(slots_WS, topo.ranks_per_node, self.num_experts, self._device())
         self._flat_placement = build_placement(slots_WS, 1, self.num_experts, self._device())
         self._replica_plan = plan_replicas(self._placement, topo.rank)
-        self._spares = self._stage2_chooser = None
-        stage2 = self.settings.planner.stage2
-        if stage2 != "interval" and topo.ranks_per_node > 1:
+        self._spares = self._replica_chooser = self._replica_schedule = self._bare = None
+        if self.settings.planner.stage2 != "interval" and topo.ranks_per_node > 1:
             self._spares = node_spares(slots_WS, topo.ranks_per_node, self.num_experts, topo.rank, self._device())
-        if self._spares is not None and self.settings.overlap.enabled is not True:  # overlapped: layout's replicas
-            self._stage2_chooser = StepTimedChoice(["step", "interval"] if stage2 == "auto" else ["step"])
+        P = self.num_local_experts
+        if (slots_WS[:, P:] >= 0).any():
+            bare_WS = slots_WS.copy()
+            bare_WS[:, P:] = -1
+            self._bare = (build_placement(bare_WS, topo.ranks_per_node, self.num_experts, self._device()),
+                          build_placement(bare_WS, 1, self.num_experts, self._device()))
+        elif slots_WS.shape[1] > P:  # spare slots, all empty: the layout itself
+            self._bare = (self._placement, self._flat_placement)
         before = self._chooser
         previous = self._kept_schedule
         # dense sends the same padded blocks on any layout: its time measured for the layout before stands where the
@@ -323,8 +334,8 @@ class LayerCore:
         """Called after each optimizer step (`CobaltEngine.step`): closes a running schedule trial."""
         if self._chooser is not None:
             self._chooser.step_end(self._device())
-        if self._stage2_chooser is not None:
-            self._stage2_chooser.step_end(self._device())
+        if self._replica_chooser is not None:
+            self._replica_chooser.step_end(self._device())
 
     @property
     def schedule(self) -> str | None:
@@ -418,9 +429,28 @@ class LayerCore:
 
     @property
     def stage2(self) -> str | None:
-        """Stage 2 in use for this layout: "step" (refilled every forward), "interval" (the re-plan's replicas),
-        None while `auto` times both, or when there is no spare slot to refill."""
-        return None if self._stage2_chooser is None else self._stage2_chooser.chosen
+        """How the schedule in use fills the spare slots for this layout: "step" (stage 2, refilled every forward),
+        "interval" (the re-plan's replicas), "none" (left unused: measured faster without replicas); None while
+        `planner.stage2: "auto"` times them, or where there is nothing to choose."""
+        return None if self._replica_chooser is None else self._replica_chooser.chosen
+
+    def replica_modes(self, schedule: str) -> list[str]:
+        """The ways `schedule` can fill this layout's spare slots (`stage2`), timed where several. Stage 2 every
+        step refills them in the hierarchical schedule only; "none" is timed with `planner.stage2: "auto"`, since
+        each replica costs a weight fetch and a gradient return every step, which on fast links can cost more
+        than its traffic saves (fine-grained model at 1 Gbit/s: 1.04x DeepSpeed with one spare slot, 1.19x
+        without, side by side). The overlapped schedule keeps the layout's replicas."""
+        stage2 = self.settings.planner.stage2
+        overlapped = schedule == HIERARCHICAL and self.settings.overlap.enabled is True
+        if schedule == DENSE or self._bare is None or overlapped:
+            return []
+        filled = self._bare[0] is not self._placement
+        modes = ["step"] if schedule == HIERARCHICAL and self._spares is not None else []
+        if filled and stage2 != "step":
+            modes.append("interval")
+        if stage2 == "auto" and modes:
+            modes.append("none")
+        return modes
 
     @property
     def schedule_timings(self) -> dict[str, float]:
@@ -482,6 +512,9 @@ class LayerCore:
         flat = schedule in (DIRECT, DENSE)
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
+        replicas = self._replica_mode(schedule, x_TD.device)
+        if replicas == "none":
+            placement = self._bare[1] if flat else self._bare[0]
         # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
         self.stats.update(topk_ids_TK, planned=not self.settled_dense)
         if self.trace_rows is not None:
@@ -495,8 +528,10 @@ class LayerCore:
             if not padded_by_deepspeed:  # the padding is ours: DeepSpeed's (AutoEP's) layer would pad nothing
                 counts = replace(counts, deepspeed_capacity=0)
         else:
+            layout_plan = None if replicas == "none" else self._replica_plan
+
             def slots_for(step_slots_WS: np.ndarray | None):
-                plan = (self._replica_plan if step_slots_WS is None
+                plan = (layout_plan if step_slots_WS is None
                         else plan_replicas_of(step_slots_WS, self.num_experts, topo.rank))
                 return slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
                                     plan, groups, experts.owner_modules)
@@ -505,7 +540,7 @@ class LayerCore:
                                                 overlap=_Phased() if flat else self.settings.overlap,
                                                 tuner=self.tuner, backend=self.backend(x_TD.device),
                                                 capacity=(deepspeed_capacity, capacity_is_local),
-                                                spares=self._step_spares(schedule, x_TD.device))
+                                                spares=self._spares if replicas == "step" else None)
             if fill is not None:
                 self.balance.add(fill)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
@@ -538,20 +573,33 @@ class LayerCore:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
                       time.perf_counter() - start, probed - start)
 
-    def _step_spares(self, schedule: str, device: torch.device) -> NodeSpares | None:
-        """This forward's stage 2: the node's spares to refill, or None (the layout's replicas). With `auto`, the
-        step/interval trials start once the schedule is decided and hierarchical (the only one that refills)."""
-        chooser = self._stage2_chooser
-        if chooser is None or schedule != HIERARCHICAL:
+    def _replica_mode(self, schedule: str, device: torch.device) -> str | None:
+        """This forward's use of the spare slots (`stage2`; None: the layout's replicas). While `auto` still times
+        the schedules, the hierarchical trials run with stage 2 on; once the schedule is decided its modes
+        (`replica_modes`) are timed on the next steps, again after every layout change."""
+        if self._chooser.chosen is None:
+            return "step" if schedule == HIERARCHICAL and self._spares is not None else None
+        if self._replica_schedule != schedule:
+            modes = self.replica_modes(schedule)
+            last = next((h for h in reversed(self.replica_history) if h["schedule"] == schedule), None)
+            if "none" in modes and last is not None and last["stage2"] == "none":
+                # replicas measured slower for this schedule before: what they cost every step (a weight fetch and a
+                # gradient return per spare slot) does not depend on the layout, so a new one is not timed again
+                modes = ["none"]
+            self._replica_chooser = StepTimedChoice(modes) if modes else None
+            self._replica_schedule = schedule
+        chooser = self._replica_chooser
+        if chooser is None:
             return None
-        if self._chooser.chosen is None:  # the schedule trials run with stage 2 on
-            return self._spares
         decided = chooser.chosen is not None
         mode = chooser.pick(device, self.groups)
-        if not decided and chooser.chosen is not None and len(chooser.candidates) > 1 and self.topology.rank == 0:
-            _log.info("ds_cobalt stage 2: chose %s (median step seconds %s)", chooser.chosen,
-                      {c: round(t, 5) for c, t in chooser.medians.items()})
-        return self._spares if mode == "step" else None
+        if not decided and chooser.chosen is not None and len(chooser.candidates) > 1:
+            self.replica_history.append({"forward": self.forwards, "schedule": schedule, "stage2": chooser.chosen,
+                                         "timings_s": dict(chooser.medians)})
+            if self.topology.rank == 0:
+                _log.info("ds_cobalt replicas (%s schedule): chose %s (median step seconds %s)", schedule,
+                          chooser.chosen, {c: round(t, 5) for c, t in chooser.medians.items()})
+        return mode
 
     def _pick_schedule(self, device: torch.device) -> str:
         chooser = self._chooser

@@ -95,7 +95,8 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
     assert ds_cobalt.schedule_summary(engine.module) == [{"layer": 0, "schedule": "dense", "timings_s": {},
                                                          "model": {}, "stage2": None, "history": [
                                                              {"forward": 1, "schedule": "dense",
-                                                              "timings_s": {}, "model": {}}]}]
+                                                              "timings_s": {}, "model": {}}],
+                                                         "stage2_history": []}]
 
 
 def _default_body(rank: int, world: int) -> dict:
@@ -284,18 +285,31 @@ def _stage2_auto_body(rank: int, world: int) -> dict:
     out["stage2_seen"] = seen
     out["stage2"] = [row["stage2"] for row in ds_cobalt.schedule_summary(engine.module)]
     out["refilled_forwards"] = ds_cobalt.balance_summary(engine.module)["forwards"]
+    out["modes"] = [core.replica_modes("hierarchical") for core in layer_cores(engine)]
+    out["timed"] = [sorted(core._replica_chooser.medians) for core in layer_cores(engine)]
+    engine.destroy()
+    # the direct schedule has no stage 2: the re-plan's replicas or none, timed
+    engine = build_engine("cobalt", 1, cobalt={**cobalt, "transport": {"schedule": "direct"}})
+    out["direct"] = train(engine, steps)
+    out["direct_stage2"] = [core.stage2 for core in layer_cores(engine)]
+    out["direct_timed"] = [sorted(core._replica_chooser.medians) for core in layer_cores(engine)]
     engine.destroy()
     return out
 
 
-def test_stage2_auto_times_step_and_interval_and_matches_deepspeed(run_ranks) -> None:
+def test_stage2_auto_times_step_interval_and_no_replicas_and_matches_deepspeed(run_ranks) -> None:
+    """`planner.stage2: "auto"` after a layout with replicas: the hierarchical schedule times stage 2 every step, the
+    re-plan's replicas and none (the spare slots unused), the direct schedule the last two; exact either way."""
     import numpy as np
 
     results = run_ranks(_stage2_auto_body, 4, ranks_per_node=2, timeout=400)
     for out in results:
         np.testing.assert_allclose(out["cobalt"], out["deepspeed"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out["direct"], out["deepspeed"], rtol=1e-5, atol=1e-6)
         assert all(row == [None, None] for row in out["stage2_seen"][:14])  # contiguous layout: nothing to refill
-        assert set(out["stage2"]) <= {"step", "interval"} and None not in out["stage2"]  # decided
+        assert set(out["stage2"]) <= {"step", "interval", "none"} and None not in out["stage2"]  # decided
+        assert out["modes"] == [["step", "interval", "none"]] * 2 and out["timed"] == [["interval", "none", "step"]] * 2
+        assert set(out["direct_stage2"]) <= {"interval", "none"} and out["direct_timed"] == [["interval", "none"]] * 2
         assert out["refilled_forwards"] > 0  # the step trials refilled
     assert all(out["stage2"] == results[0]["stage2"] for out in results)  # every rank agrees
 

@@ -641,3 +641,38 @@ def _all_reduce_host_body(rank: int, world: int) -> list:
 def test_all_reduce_host_returns_host_values(run_ranks) -> None:
     results = run_ranks(_all_reduce_host_body, 2, ranks_per_node=1, timeout=120)
     assert results == [["cpu", [2.0, 1.0], [3]]] * 2
+
+
+def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
+    """`LayerCore.replica_modes`: with `planner.stage2: "auto"` the hierarchical schedule times stage 2 every step,
+    the re-plan's replicas and none, the direct schedule the last two, dense nothing; a pinned stage 2 times nothing.
+    Once "none" won for a schedule, a later layout keeps it without trials (`_replica_mode`)."""
+    import types
+
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+    from ds_cobalt.runtime.topology import EPGroups
+
+    def core(stage2: str, spares: bool = True) -> LayerCore:
+        c = LayerCore.__new__(LayerCore)
+        c.settings = types.SimpleNamespace(planner=types.SimpleNamespace(stage2=stage2),
+                                           overlap=types.SimpleNamespace(enabled=False))
+        c._placement, c._bare = object(), (object(), object())  # a layout with filled spare slots
+        c._spares = object() if spares else None
+        c._chooser = StepTimedChoice(["direct"])  # the schedule is decided
+        c._replica_chooser = c._replica_schedule = None
+        c.replica_history, c.forwards = [], 0
+        c._groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+        return c
+
+    auto = core("auto")
+    assert auto.replica_modes("hierarchical") == ["step", "interval", "none"]
+    assert auto.replica_modes("direct") == ["interval", "none"] and auto.replica_modes("dense") == []
+    assert core("interval", spares=False).replica_modes("hierarchical") == ["interval"]
+    assert core("step").replica_modes("hierarchical") == ["step"] and core("step").replica_modes("direct") == []
+    cpu = torch.device("cpu")
+    assert auto._replica_mode("direct", cpu) == "interval" and auto.stage2 is None  # timed: the first mode warms up
+    again = core("auto")
+    again.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": {}}]
+    assert again._replica_mode("direct", cpu) == "none" and again.stage2 == "none"  # carried over, no trial
+    assert again._replica_chooser.candidates == ["none"]
