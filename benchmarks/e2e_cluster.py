@@ -22,9 +22,10 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
                         then overlapped or phased, whichever forward is faster
 One `benchmarks/cluster/run_cluster.sh` job per (model, rate, variant), one after the other (2 cores). Each writes
 `OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`; the default model, other models
-under `OUT/<model>/`). Prints, per rate,
-tokens/s and its ratio to (a), cross-node bytes per step, expert-row load max/mean over ranks, the
-largest loss difference to (a) and each job's host steal time (`host.json`: the share of CPU time a shared VM's host
+under `OUT/<model>/`). Prints, per rate, tokens/s and its ratio to (a) (steps after the first; also over the second
+half of the steps alone: the steady state after `auto`'s trials and the first plans, which a long job amortizes),
+cross-node bytes per step, expert-row load max/mean over ranks, the largest loss difference to (a) and each job's
+host steal time (`host.json`: the share of CPU time a shared VM's host
 gave to others while the job ran, which the spread between jobs follows); writes `OUT/summary.json`,
 `OUT/summary.md` and the plots of `ds-cobalt report OUT` (`OUT/report/index.html`: throughput and bytes per step,
 co-activation heatmaps).
@@ -118,11 +119,12 @@ def summarize(out: Path, rates: list[str], variants: list[str], repeats: int = 1
             if m is None:
                 rows.append({"rate": rate, "variant": variant, "failed": True})
                 continue
-            ratios, steal = [], []
+            ratios, late, steal = [], [], []
             for k in range(repeats):
                 a, b = _metrics(run_dir(out, rate, variant, k)), _metrics(run_dir(out, rate, "deepspeed", k))
                 if a is not None and b is not None:
                     ratios.append(a["tokens_per_s"] / b["tokens_per_s"])
+                    late.append(_second_half_s(b) / _second_half_s(a))
                 host = run_dir(out, rate, variant, k) / "host.json"
                 steal.append(json.loads(host.read_text())["steal_fraction"] if host.exists() else None)
             steps = max(1, m["steps"])
@@ -130,6 +132,9 @@ def summarize(out: Path, rates: list[str], variants: list[str], repeats: int = 1
                 "rate": rate, "variant": variant, "tokens_per_s": m["tokens_per_s"],
                 "speedup_vs_deepspeed": statistics.median(ratios) if ratios else None,
                 "speedup_per_repeat": ratios,
+                # the same ratio over the second half of the steps only: the run's steady state, after the start-up
+                # (schedule trials, the first plans and migrations), which a long job amortizes
+                "second_half_speedup": statistics.median(late) if late else None,
                 "host_steal_per_repeat": steal,  # this variant's jobs: CPU time the VM's host gave to others
                 "cross_node_bytes_per_step": m["traffic"]["inter_node_bytes"] / steps,
                 "expert_load_max_over_mean": m.get("expert_load_max_over_mean"),
@@ -158,23 +163,30 @@ def host_steal(before: list[int] | None, after: list[int] | None) -> float | Non
     return spent[7] / max(1, sum(spent))
 
 
+def _second_half_s(metrics: dict) -> float:
+    """Seconds of the second half of a run's steps."""
+    steps = metrics["step_times_s"]
+    return sum(steps[len(steps) // 2:])
+
+
 def _metrics(run: Path) -> dict | None:
     path = run / "metrics.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| rate | variant | tokens/s | vs DeepSpeed | per repeat | cross-node MB/step | load max/mean | "
-             "max loss diff | host steal % per repeat |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| rate | variant | tokens/s | vs DeepSpeed | per repeat | 2nd half vs DeepSpeed | cross-node MB/step | "
+             "load max/mean | max loss diff | host steal % per repeat |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         if r.get("failed"):
-            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | | | |")
+            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | | | | |")
             continue
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         per_repeat = " ".join(f"{x:.2f}" for x in r.get("speedup_per_repeat", []))
         steal = " ".join("-" if x is None else f"{100 * x:.1f}" for x in r.get("host_steal_per_repeat", []))
         lines.append(f"| {r['rate']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
                      f"{fmt(r['speedup_vs_deepspeed'], '.2f')} | {per_repeat} | "
+                     f"{fmt(r.get('second_half_speedup'), '.2f')} | "
                      f"{r['cross_node_bytes_per_step'] / 1e6:.2f} | "
                      f"{fmt(r['expert_load_max_over_mean'], '.3f')} | {fmt(r['max_loss_diff_vs_deepspeed'], '.1e')} | "
                      f"{steal} |")
