@@ -578,7 +578,7 @@ class LayerCore:
         the schedules, the hierarchical trials run with stage 2 on; once the schedule is decided its modes
         (`replica_modes`) are timed on the next steps, again after every layout change."""
         if self._chooser.chosen is None:
-            return "step" if schedule == HIERARCHICAL and self._spares is not None else None
+            return "step" if "step" in self.replica_modes(schedule) else None
         if self._replica_schedule != schedule:
             modes = self.replica_modes(schedule)
             last = next((h for h in reversed(self.replica_history) if h["schedule"] == schedule), None)
