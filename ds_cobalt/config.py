@@ -63,8 +63,9 @@ class PlannerConfig(_Section):
     hierarchical schedule from that forward's loads (`runtime/step_spares.py`); `"interval"` keeps the replicas the
     re-plan chose until the next one; `"auto"` (default) times both, and the layout without its replicas
     (`"none"`: each replica costs a weight fetch and a gradient return every step), on the layer's next steps after
-    each layout change, once the schedule is chosen, and keeps the fastest (all ranks agree; the direct schedule
-    times the re-plan's replicas against none, `LayerCore.replica_modes`).
+    each layout change, once the schedule is chosen, and keeps the fastest, none unless another measures 5 %
+    faster (all ranks agree; the direct schedule times the re-plan's replicas against none,
+    `LayerCore.replica_modes`).
     `plan_before_trials`: right after step 1, plan the layers whose `auto` cost model expects a schedule that gains
     from the layout (it rules dense out, or prices hierarchical or direct at least 10 % below dense with a saving
     material to the step, `LayerCore.expects_layout_gain`), applied before their schedule trials start (after

@@ -649,7 +649,7 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     Once "none" won for a schedule, a later layout keeps it without trials (`_replica_mode`)."""
     import types
 
-    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
     from ds_cobalt.runtime.topology import EPGroups
 
@@ -672,6 +672,7 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     assert core("step").replica_modes("hierarchical") == ["step"] and core("step").replica_modes("direct") == []
     cpu = torch.device("cpu")
     assert auto._replica_mode("direct", cpu) == "interval" and auto.stage2 is None  # timed: the first mode warms up
+    assert (auto._replica_chooser.prefer, auto._replica_chooser.margin) == ("none", DENSE_MARGIN)  # none unless beaten
     again = core("auto")
     again.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": {}}]
     assert again._replica_mode("direct", cpu) == "none" and again.stage2 == "none"  # carried over, no trial
