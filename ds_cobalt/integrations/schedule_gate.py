@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 
-from ..runtime.comm import all_reduce_host
+from ..runtime.comm import slowest_rank
 from ..runtime.layer import LayerCore
 from .layers import layer_cores
 from .replan import BEFORE_TRIALS_STEP
@@ -84,10 +83,7 @@ class ScheduleGate:
         out = []
         for group in _groups_in_order(cores):
             mine = [core for core in cores if core.groups.ep_group is group]
-            window_s = max((core.warmup_step_s or 0.0) for core in mine)
-            if group is not None:
-                window_s = float(all_reduce_host(torch.tensor([window_s], dtype=torch.float64), dist.ReduceOp.MAX,
-                                                 group)[0])
+            window_s = float(slowest_rank([max((core.warmup_step_s or 0.0) for core in mine)], group)[0])
             share = immaterial_share([core.predicted_dense_gaps() for core in mine], window_s) if window_s else None
             self.decisions.append({"step": step, "for": purpose, "layers": len(mine), "step_s": window_s,
                                    "immaterial_share": share})
@@ -97,8 +93,4 @@ class ScheduleGate:
 
 def _groups_in_order(cores: list[LayerCore]) -> list:
     """The distinct EP groups of `cores`, in layer order (the same on every rank of a group)."""
-    out: list = []
-    for core in cores:
-        if not any(core.groups.ep_group is g for g in out):
-            out.append(core.groups.ep_group)
-    return out
+    return list({id(core.groups.ep_group): core.groups.ep_group for core in cores}.values())

@@ -43,6 +43,13 @@ def all_reduce_host(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.Red
     return work.cpu()
 
 
+def slowest_rank(seconds: Sequence[float], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`[N]` float64 host tensor: `seconds` as the slowest rank of `group` measured them (one all-reduce, MAX;
+    none without a group)."""
+    out = torch.tensor(list(seconds), dtype=torch.float64)
+    return out if group is None else all_reduce_host(out, dist.ReduceOp.MAX, group)
+
+
 def exchange_counts(send_counts_PC: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """`[P, C]` int64 counts for each of the P peers -> the `[P, C]` counts each peer sends to us."""
     if _alone(group):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import group_size
+from .comm import group_size, slowest_rank
 from .topology import EPGroups
 
 _CACHE: dict[tuple, "LinkCosts"] = {}
@@ -78,8 +78,8 @@ def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 <
     stages = (groups.rail_group, groups.node_group)
     sizes = [probe_bytes, probe_bytes]
     fixed = _timed_all_to_all(8, groups.ep_group, device, repeats)
-    fixed, *times = _slowest([fixed] + [_timed_all_to_all(n, g, device, repeats) for n, g in zip(sizes, stages)],
-                             groups, device)
+    fixed, *times = slowest_rank([fixed] + [_timed_all_to_all(n, g, device, repeats) for n, g in zip(sizes, stages)],
+                                 groups.ep_group).tolist()  # NOTE: host sync (probe only)
     while True:  # every rank decides on the same agreed times, so all run the same calls
         grow = [i for i, (t, n) in enumerate(zip(times, sizes))
                 if t > 0 and t - fixed < TRANSFER_OVER_FIXED * fixed and n < max_bytes]
@@ -88,7 +88,7 @@ def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 <
         for i in grow:
             sizes[i] *= 4
             times[i] = _timed_all_to_all(sizes[i], stages[i], device, repeats)
-        times = _slowest(times, groups, device)
+        times = slowest_rank(times, groups.ep_group).tolist()
 
     def rate(seconds: float, numel: int, group: dist.ProcessGroup | None) -> float:
         peers = group_size(group) - 1
@@ -100,11 +100,3 @@ def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 <
                       intra_node_bytes_per_s=rate(times[1], sizes[1], stages[1]), probe_bytes=sizes[0])
     _CACHE[key] = costs
     return costs
-
-
-def _slowest(times: list[float], groups: EPGroups, device: torch.device) -> list[float]:
-    """`times` as the slowest rank of the EP group measured them (one all-reduce, MAX)."""
-    out = torch.tensor(times, dtype=torch.float64, device=device)
-    if groups.ep_group is not None:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=groups.ep_group)
-    return out.tolist()  # NOTE: host sync (probe only)

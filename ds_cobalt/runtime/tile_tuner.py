@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from .comm import all_reduce_host
+from .comm import slowest_rank
 from .topology import EPGroups
 
 RAIL_CHUNKS_GUESS = 2
@@ -64,9 +63,7 @@ class ChoiceTuner:
             self.times.append(time.perf_counter() - started)
         self.calls += 1
         if len(self.times) == len(self.candidates):
-            times = torch.tensor(self.times, dtype=torch.float64)
-            if groups.ep_group is not None:  # slowest rank decides
-                times = all_reduce_host(times, dist.ReduceOp.MAX, groups.ep_group)
+            times = slowest_rank(self.times, groups.ep_group)  # the slowest rank decides
             self.chosen = self.candidates[int(times.argmin())]
 
 
@@ -244,14 +241,6 @@ class StepTimedChoice:
         self._trial += 1
         self._started = None
 
-    @staticmethod
-    def _slowest_rank(seconds: list[float], groups: EPGroups) -> torch.Tensor:
-        """`seconds` per candidate as the slowest rank of the EP group measured them (one all-reduce, MAX)."""
-        out = torch.tensor(seconds, dtype=torch.float64)
-        if groups.ep_group is not None:
-            out = all_reduce_host(out, dist.ReduceOp.MAX, groups.ep_group)
-        return out
-
     def _screen_due(self) -> bool:
         """The first round just ended, with more rounds to come, and screening is on."""
         return (self.screen_ratio is not None and not self._screen_done and len(self.candidates) > 1
@@ -259,7 +248,7 @@ class StepTimedChoice:
 
     def _screen(self, groups: EPGroups) -> None:
         self._screen_done = True
-        first_t = self._slowest_rank([self.times[c][0] for c in self.candidates], groups)
+        first_t = slowest_rank([self.times[c][0] for c in self.candidates], groups.ep_group)
         first = dict(zip(self.candidates, first_t.tolist()))
         best = float(first_t.min())
         fastest = self.candidates[int(first_t.argmin())]
@@ -280,7 +269,8 @@ class StepTimedChoice:
             self.medians, self.chosen = first, kept[0]
 
     def _decide(self, groups: EPGroups) -> None:
-        medians = self._slowest_rank([float(torch.tensor(self.times[c]).median()) for c in self.candidates], groups)
+        medians = slowest_rank([float(torch.tensor(self.times[c]).median()) for c in self.candidates],
+                               groups.ep_group)
         self.medians = {**dict(zip(self.candidates, medians.tolist())), **self.screened}
         self._decide_known()
 
