@@ -17,14 +17,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-KEYS = ("inter_node_bytes", "deepspeed_inter_node_bytes_padded", "expert_rows")
+SCHEDULE_KEYS = ("forwards_hierarchical", "forwards_direct", "forwards_dense")
+KEYS = ("inter_node_bytes", "deepspeed_inter_node_bytes_padded", "expert_rows", *SCHEDULE_KEYS)
 
 
 class StepTracker:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._last = [0] * len(KEYS)
-        self.per_step: list[list[int]] = []  # this rank's [sent, DeepSpeed padded, expert rows] per step
+        self.per_step: list[list[int]] = []  # this rank's KEYS per step
         self.layouts: list[dict] = []  # {"from_step": i (0-based), "layout": layout-v1 dict}, one per change
         self._slots: list[np.ndarray] = []
         # read after each forward: a migration commits right before a layer's forward
@@ -56,7 +57,8 @@ class StepTracker:
 
     def gather(self) -> dict[str, list[float]]:
         """Collective: cross-node bytes per step (sum over ranks), DeepSpeed's padded bytes for the same forwards,
-        and the per-GPU expert load max/mean of each step (rows computed, replicas included)."""
+        the per-GPU expert load max/mean of each step (rows computed, replicas included), and the layer forwards
+        run on each transport schedule per step (`forwards_<schedule>`, sum over ranks)."""
         from ds_cobalt.runtime.comm import all_reduce_host, collective_device  # NCCL moves no host tensors
 
         mine = torch.tensor(self.per_step, dtype=torch.float64, device=collective_device()).reshape(-1, len(KEYS))
@@ -70,8 +72,9 @@ class StepTracker:
         balance = ds_cobalt.balance_summary(self.model)
         stage2 = all_reduce_host(torch.tensor([balance["forwards"], balance["stage2_sum"], balance["interval_sum"]],
                                               dtype=torch.float64))
+        forwards = {key: stacked[:, :, KEYS.index(key)].sum(0).tolist() for key in SCHEDULE_KEYS}
         return {"sent": stacked[:, :, 0].sum(0).tolist(), "deepspeed_padded": stacked[:, :, 1].sum(0).tolist(),
-                "load_max_over_mean": (rows.max(0).values / mean).tolist(), "stage2": stage2.tolist()}
+                "load_max_over_mean": (rows.max(0).values / mean).tolist(), "stage2": stage2.tolist(), **forwards}
 
 
 def _mean(values: list[float]) -> float | None:

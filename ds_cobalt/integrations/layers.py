@@ -43,11 +43,14 @@ def traffic_summary(model: torch.nn.Module) -> dict[str, int]:
     """Cumulative traffic of this rank over all ds_cobalt layers: bytes/rows sent inter- and intra-node,
     and what DeepSpeed's all-to-all would have sent inter-node for the same forwards (padded E x C
     buffers, and the dropless one row per (token, expert)); `layers_<schedule>`: layers on each transport
-    schedule now (`layers_undecided`: `auto` still timing)."""
+    schedule now (`layers_undecided`: `auto` still timing); `forwards_<schedule>`: layer forwards run on each
+    schedule so far (`auto`'s trials included)."""
     cores = layer_cores(model)
     out = sum_totals([core.traffic for core in cores])
     for name in (*SCHEDULES, None):
         out[f"layers_{name or 'undecided'}"] = sum(core.schedule == name for core in cores)
+    for name in SCHEDULES:
+        out[f"forwards_{name}"] = sum(core.schedule_forwards[name] for core in cores)
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
@@ -180,6 +181,7 @@ class LayerCore:
         self._chooser_from_forward = 0  # forwards run before the current choice started
         self.layout_gain_material = True  # `ScheduleGate`: the model's saving matters to the step (after step 1)
         self.forwards = 0  # forward passes run (training and eval)
+        self.schedule_forwards: Counter[str] = Counter()  # forwards run on each transport schedule
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
         # every timed choice of `stage2` (how the spare slots are used): forward, schedule, mode, median step seconds
@@ -509,6 +511,7 @@ class LayerCore:
             if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
                 self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
                 schedule = self._pick_schedule(x_TD.device)
+        self.schedule_forwards[schedule] += 1
         flat = schedule in (DIRECT, DENSE)
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
