@@ -28,6 +28,7 @@ class StepTracker:
         self.per_step: list[list[int]] = []  # this rank's KEYS per step
         self.layouts: list[dict] = []  # {"from_step": i (0-based), "layout": layout-v1 dict}, one per change
         self._slots: list[np.ndarray] = []
+        self._cores: list | None = None  # the model's layer cores, found once (a module walk per forward costs ~1 %)
         # read after each forward: a migration commits right before a layer's forward
         model.register_forward_hook(lambda *_: self._record_layout())
 
@@ -44,7 +45,9 @@ class StepTracker:
         from ds_cobalt.integrations.layers import layer_cores
         from ds_cobalt.planner.layout import Layout
 
-        cores = layer_cores(self.model)
+        if self._cores is None:
+            self._cores = layer_cores(self.model)
+        cores = self._cores
         slots = [core.layout_slots for core in cores]
         if not cores or (len(slots) == len(self._slots) and all(map(np.array_equal, slots, self._slots))):
             return

@@ -9,7 +9,9 @@ dense across the layers that still make their first choice and compares it with 
 warm-up windows (forward to the end of the optimizer step; the slowest rank's, one all-reduce) plus dense's
 predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
 - after step 1 (`BEFORE_TRIALS_STEP`): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
-  whose model does not rule dense out; the planner worker's CPU would be spent beside the first steps;
+  whose model does not rule dense out, since the planner worker's CPU would be spent beside the first steps; and
+  dense runs the rest of their warm-up (`LayerCore.warm_up_on_dense`), so that the check below times dense's own
+  step and a layer kept on dense ran DeepSpeed's exchange from step 2;
 - when the warm-up ends, before the first trial (a window of the run's first step left out): the layers settle on
   dense, DeepSpeed's own exchange, with no trials (`LayerCore.settle_dense`).
 """
@@ -66,6 +68,8 @@ class ScheduleGate:
             for cores, share in self._verdicts(step, "plan", contested):
                 for core in cores:
                     core.layout_gain_material = share is None
+                    if share is not None:
+                        core.warm_up_on_dense()
         due = [core for core in contested if core.first_trials_due]
         for cores, share in self._verdicts(step, "trials", due):
             if share is None:

@@ -387,7 +387,8 @@ class LayerCore:
     @property
     def warmup_step_s(self) -> float | None:
         """This rank's median warm-up window of the current choice (the layer's forward to the end of the
-        optimizer step), leaving out the run's first step where there are others; None before one."""
+        optimizer step, of the candidate leading the trials), leaving out the run's first step where there are
+        others; None before one."""
         windows = self._chooser.warmup_s if self._chooser is not None else []
         if self._chooser_from_forward == 0 and len(windows) > 1:
             windows = windows[1:]
@@ -402,6 +403,14 @@ class LayerCore:
         others = [predicted[c] for c in chooser.candidates if c != DENSE]
         favourite = chooser.candidates[0]
         return predicted[DENSE] - min(others), predicted[DENSE] - predicted[favourite]
+
+    def warm_up_on_dense(self) -> None:
+        """For a `dense_contested` layer in its first warm-up: dense runs the remaining warm-up steps and leads the
+        trials (`ScheduleGate`, where the model's saving looks immaterial after step 1). The warm-up then times
+        dense's own step, and a layer that settles on dense ran DeepSpeed's exchange, not the favourite's CPU
+        work (direct at loopback here: ~250 ms steps against dense's ~150)."""
+        self._chooser.lead_with(DENSE)
+        self._chooser_from_forward = self.forwards  # the windows now start after the run's first step
 
     def settle_dense(self, saving_share: float) -> None:
         """Make `auto`'s first choice dense without trials: the cost model's saving over dense, `saving_share` of a

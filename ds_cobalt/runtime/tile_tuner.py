@@ -178,14 +178,27 @@ class StepTimedChoice:
             self.trials, self.times, self.chosen = [], {}, None
             self._decide_known()
             return
-        # round r runs the candidates rotated by r, so each takes every place in a round: the first steps of a run
-        # get faster step by step (at loopback here ~250, 200, 170, 150 ms), and a fixed order timed the first
-        # candidate (dense, the model's favourite on fast links) in the slowest place of every round
-        n = len(self.candidates)
-        rounds = [self.candidates[r % n:] + self.candidates[: r % n] for r in range(self.repeats)]
-        self.trials = [self.candidates[0]] * self.warmup + [c for one in rounds for c in one]
+        self.trials = [self.candidates[0]] * self.warmup + self._rounds()
         self.times: dict[str, list[float]] = {c: [] for c in self.candidates}
         self.chosen: str | None = self.candidates[0] if len(self.candidates) == 1 and not self.known else None
+
+    def _rounds(self) -> list[str]:
+        """The timed trials: round r runs the candidates rotated by r, so each takes every place in a round (the
+        first steps of a run get faster step by step, at loopback here ~250, 200, 170, 150 ms, and a fixed order
+        timed the first candidate in the slowest place of every round)."""
+        n = len(self.candidates)
+        return [c for r in range(self.repeats) for c in self.candidates[r % n:] + self.candidates[: r % n]]
+
+    def lead_with(self, candidate: str) -> None:
+        """During the warm-up: `candidate` runs its remaining steps and becomes the first candidate (the same on every
+        rank). The warm-up windows timed so far, another candidate's, are dropped from `warmup_s`."""
+        if self.chosen is not None or self._started is not None or self._trial > self.warmup:
+            raise RuntimeError("lead_with: only between the warm-up steps")
+        if candidate not in self.candidates:
+            raise ValueError(f"lead_with: {candidate!r} is not among the candidates {self.candidates}")
+        self.candidates = [candidate] + [c for c in self.candidates if c != candidate]
+        self.trials = self.trials[: self._trial] + [candidate] * (self.warmup - self._trial) + self._rounds()
+        self.warmup_s = []
 
     @property
     def wants_model(self) -> bool:

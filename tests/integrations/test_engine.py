@@ -122,6 +122,7 @@ def _default_body(rank: int, world: int) -> dict:
         out[f"{name}_deferred"] = list(hook.deferred)
         out[f"{name}_slots"] = [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
         out[f"{name}_schedules"] = [layer.cobalt_core.schedule for layer in cobalt_layers(engine)]
+        out[f"{name}_forwards"] = [dict(layer.cobalt_core.schedule_forwards) for layer in cobalt_layers(engine)]
         # a new layout (here: the same one installed again) times only the schedule kept so far (the last decision:
         # a migration in the last steps may leave a re-timing running) against dense; dense's earlier time is carried
         # over (`known`) only after a clear win (`owners_may_move`), else dense is timed again
@@ -243,6 +244,14 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
         assert plan["step_s"] > 0 and trials["step_s"] > 0, (plan, trials)
         assert all(("untimed_saving_share" in d[0]) == (trials["immaterial_share"] is not None)
                    for d in out["auto_decisions"]), (trials, out["auto_decisions"])
+        # every forward on some schedule; an immaterial saving after step 1 has dense run the rest of the warm-up
+        # (and, kept without trials, every later step): at most the first step ran the model's favourite
+        for forwards in out["auto_forwards"]:
+            assert sum(forwards.values()) == len(out["deepspeed"]), forwards
+            if plan["immaterial_share"] is not None:
+                assert forwards.get("dense", 0) >= SCHEDULE_WARMUP - 1, (plan, forwards)
+                if trials["immaterial_share"] is not None:
+                    assert forwards["dense"] >= len(out["deepspeed"]) - 1, (plan, trials, forwards)
         assert out["hierarchical_next_candidates"] == [(["hierarchical"], {})] * 2
         assert out["hierarchical_deferred"] == []  # one candidate: chosen at once, nothing waits
         early = out["early"]
@@ -371,8 +380,9 @@ def test_immaterial_share_compares_the_saving_with_a_dense_step(gaps, step_s, sh
 
 def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_warm_up() -> None:
     """`ScheduleGate` (one process, stand-in layers): after step 1 it marks whether the model's saving is material
-    to a step (the plan before the trials), and when the warm-ups end it settles the layers on dense where the saving
-    is immaterial against their longest warm-up window (nothing where it matters); idle after the first choices."""
+    to a step (the plan before the trials) and, where it is not, has dense run the rest of the warm-up; when the
+    warm-ups end it settles the layers on dense where the saving is immaterial against their longest warm-up window
+    (nothing where it matters); idle after the first choices."""
     import types
 
     from ds_cobalt.integrations import schedule_gate
@@ -382,6 +392,10 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
             self.gap, self.warmup_step_s, self.step = gap, window_s, 0
             self.first_schedule_chosen, self.settled, self.layout_gain_material = False, None, True
             self.groups = types.SimpleNamespace(ep_group=None)
+            self.dense_warm_up_from: int | None = None
+
+        def warm_up_on_dense(self) -> None:
+            self.dense_warm_up_from = self.step + 1
 
         @property
         def dense_contested(self) -> bool:
@@ -410,11 +424,13 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     layers, gate = run([0.005, 0.005], [0.25, 0.2])  # 0.01 s against a dense step of 0.25 + 0.01 s
     assert [layer.settled for layer in layers] == [pytest.approx(0.01 / 0.26)] * 2
     assert [layer.layout_gain_material for layer in layers] == [False, False]
+    assert [layer.dense_warm_up_from for layer in layers] == [2, 2]
     assert [(d["step"], d["for"], d["layers"], d["step_s"]) for d in gate.decisions] == [
         (1, "plan", 2, 0.25), (3, "trials", 2, 0.25)]
     layers, gate = run([0.05, 0.05], [0.25, 0.2])  # 0.1 s of 0.35: the plan and the trials run
     assert [layer.settled for layer in layers] == [None, None]
     assert [layer.layout_gain_material for layer in layers] == [True, True]
+    assert [layer.dense_warm_up_from for layer in layers] == [None, None]
     assert [d["immaterial_share"] for d in gate.decisions] == [None, None]
 
 

@@ -528,6 +528,49 @@ def test_first_trials_due_after_the_warm_up_and_settle_dense_makes_the_choice(mo
     assert ruled_out._chooser.trials_due and not ruled_out.dense_contested and not ruled_out.first_trials_due
 
 
+def test_warm_up_on_dense_runs_the_rest_of_the_warm_up_and_leads_the_trials(monkeypatch) -> None:
+    """`LayerCore.warm_up_on_dense` after the first warm-up step (`ScheduleGate`, an immaterial saving after step 1):
+    dense runs the remaining warm-up steps, whose windows alone (not the favourite's first one) make
+    `warmup_step_s`; the model's gap to the warm-up's candidate is then 0, and the trials start with dense and
+    rotate as before. `StepTimedChoice.lead_with` is refused once the trials run, or for a non-candidate."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    assert SCHEDULE_WARMUP >= 2
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    core = LayerCore.__new__(LayerCore)
+    core._kept_schedule, core._dense_seconds, core.forwards, core.schedule_history = None, None, 0, []
+    core._chooser_from_forward, core.layout_gain_material = 0, True
+    core._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    core._chooser.use_model({"hierarchical": 0.5, "direct": 0.45, "dense": 0.5}, [])
+    cpu = torch.device("cpu")
+
+    def step(window: float) -> str:
+        ran = core._chooser.pick(cpu, groups)
+        core.forwards += 1
+        now["t"] += window
+        core._chooser.step_end(cpu)
+        return ran
+
+    assert step(2.0) == "direct"  # the model's favourite runs the run's first step
+    with pytest.raises(ValueError, match="'none' is not among"):
+        core._chooser.lead_with("none")
+    core.warm_up_on_dense()
+    assert core.warmup_step_s is None  # the favourite's window is not dense's
+    windows = [0.3, 0.2, 0.25, 0.28][: SCHEDULE_WARMUP - 1]
+    assert [step(w) for w in windows] == [DENSE] * (SCHEDULE_WARMUP - 1)
+    assert core.first_trials_due and core.warmup_step_s == pytest.approx(float(np.median(windows)))
+    assert core.predicted_dense_gaps() == pytest.approx((0.05, 0.0))
+    assert core._chooser.candidates == [DENSE, "direct", "hierarchical"]
+    assert [step(0.2) for _ in range(3)] == [DENSE, "direct", "hierarchical"]  # round 1, dense first
+    assert core._chooser.trials[SCHEDULE_WARMUP + 3: SCHEDULE_WARMUP + 6] == ["direct", "hierarchical", DENSE]
+    with pytest.raises(RuntimeError, match="between the warm-up steps"):
+        core._chooser.lead_with("direct")
+
+
 def _routing(rng, E: int, K: int, W: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Skewed routes (a few hot experts), `tokens` per rank."""
     weights = rng.dirichlet(np.full(E, 0.5))
