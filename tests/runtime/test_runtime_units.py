@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -482,22 +484,31 @@ def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predi
     assert not core.expects_layout_gain
 
 
-def test_first_trials_due_after_the_warm_up_and_settle_dense_makes_the_choice(monkeypatch) -> None:
-    """`LayerCore.first_trials_due`: the warm-up steps of the model's favourite are over and dense is among the
-    candidates to time; `warmup_step_s` is the median warm-up window without the run's first step;
-    `predicted_dense_gaps` gives the model's saving of the best and of the favourite; `settle_dense` makes dense the
-    first choice without trials, recorded (with the share) in the history, and then no owner may move."""
+def _core_in_first_warm_up(monkeypatch) -> tuple[Any, dict[str, float]]:
+    """A bare `LayerCore` before its first `auto` choice among hierarchical, direct and dense (no model yet), and the
+    clock its trials read (`now["t"]`, seconds)."""
     from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP, LayerCore
-    from ds_cobalt.runtime.topology import EPGroups
+    from ds_cobalt.runtime.layer import LayerCore
 
-    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
     now = {"t": 0.0}
     monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
     core = LayerCore.__new__(LayerCore)
     core._kept_schedule, core._dense_seconds, core.forwards, core.schedule_history = None, None, 0, []
     core._chooser_from_forward, core.layout_gain_material = 0, True
     core._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    return core, now
+
+
+def test_first_trials_due_after_the_warm_up_and_settle_dense_makes_the_choice(monkeypatch) -> None:
+    """`LayerCore.first_trials_due`: the warm-up steps of the model's favourite are over and dense is among the
+    candidates to time; `warmup_step_s` is the median warm-up window without the run's first step;
+    `predicted_dense_gaps` gives the model's saving of the best and of the favourite; `settle_dense` makes dense the
+    first choice without trials, recorded (with the share) in the history, and then no owner may move."""
+    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP, LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    core, now = _core_in_first_warm_up(monkeypatch)
     assert not core.first_trials_due and core.warmup_step_s is None  # no model, no window
     core._chooser.use_model({"hierarchical": 0.5, "direct": 0.7, "dense": 1.0}, [])
     assert core.dense_contested
@@ -533,18 +544,12 @@ def test_warm_up_on_dense_runs_the_rest_of_the_warm_up_and_leads_the_trials(monk
     dense runs the remaining warm-up steps, whose windows alone (not the favourite's first one) make
     `warmup_step_s`; the model's gap to the warm-up's candidate is then 0, and the trials start with dense and
     rotate as before. `StepTimedChoice.lead_with` is refused once the trials run, or for a non-candidate."""
-    from ds_cobalt.runtime import tile_tuner
-    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP, LayerCore
+    from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP
     from ds_cobalt.runtime.topology import EPGroups
 
     assert SCHEDULE_WARMUP >= 2
     groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
-    now = {"t": 0.0}
-    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
-    core = LayerCore.__new__(LayerCore)
-    core._kept_schedule, core._dense_seconds, core.forwards, core.schedule_history = None, None, 0, []
-    core._chooser_from_forward, core.layout_gain_material = 0, True
-    core._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    core, now = _core_in_first_warm_up(monkeypatch)
     core._chooser.use_model({"hierarchical": 0.5, "direct": 0.45, "dense": 0.5}, [])
     cpu = torch.device("cpu")
 
