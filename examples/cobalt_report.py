@@ -110,6 +110,9 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
            "first_migration_step": first}
+    # layer forwards run on each transport schedule, summed over steps and ranks (`auto`'s warm-up and trials included)
+    out["forwards_by_schedule"] = {key.removeprefix("forwards_"): int(sum(per_step.get(key, [])))
+                                   for key in SCHEDULE_KEYS}
     forwards, refilled, interval = per_step.get("stage2", (0, 0.0, 0.0))
     out["stage2_forwards"] = int(forwards)  # layer forwards refilled, summed over ranks
     out["stage2_node_gpu_max_over_mean"] = refilled / forwards if forwards else None
@@ -127,6 +130,11 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
 
 def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     print("what ds_cobalt did")
+    ran = {name: n for name, n in s.get("forwards_by_schedule", {}).items() if n}
+    if ran:
+        total = sum(ran.values())
+        shares = ", ".join(f"{name} {100 * n / total:.0f} %" for name, n in sorted(ran.items(), key=lambda kv: -kv[1]))
+        print(f"  schedules run       {shares} of the {total} layer forwards (all ranks; `auto`'s trials included)")
     if not s["replans"] and s.get("replans_skipped_dense"):
         print(f"  re-plans            skipped after steps {', '.join(map(str, s['replans_skipped_dense']))}: every "
               "layer runs DeepSpeed's dense exchange (fastest on this link), whose traffic no layout changes")
@@ -171,7 +179,7 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
         print(f"  stage 2 every step  spare slots refilled in {s['stage2_forwards']} layer forwards (all ranks); GPU "
               f"load max/mean inside a node {s['stage2_node_gpu_max_over_mean']:.3f}, with the re-plan's replicas "
               f"only {s['interval_node_gpu_max_over_mean']:.3f} (mean over those forwards); per layer now: "
-              f"{', '.join(str(m) for m in s['stage2_now'])} (`planner.stage2` auto times step against interval)")
+              f"{', '.join(str(m) for m in s['stage2_now'])} (`planner.stage2` auto times step, interval and none)")
     else:
         print("  stage 2 every step  not run: no spare slot to refill (before the first re-plan, or the layers ran "
               "the direct or dense schedule)")

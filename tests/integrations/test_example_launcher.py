@@ -51,6 +51,7 @@ def _launch(impl: str, out_dir: Path) -> dict[str, Any]:
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{log}"
     assert metrics.exists(), f"no metrics written:\n{log}"
     assert "=== train_moe report" in proc.stdout, log
+    assert impl != "cobalt" or "  schedules run       " in proc.stdout, log  # the layer forwards per schedule
     return json.loads(metrics.read_text())
 
 
@@ -111,6 +112,7 @@ def test_cobalt_impl(runs: Any) -> None:
             assert sent == padded, (step, ran, sent, padded)
         else:
             assert 0 < sent < padded, (step, ran, sent, padded)
+    assert sum(m["cobalt_did"]["forwards_by_schedule"].values()) == STEPS * forwards_per_step, m["cobalt_did"]
     # the layout the run started with, in the layout-v1 format `calibrate --compare` prices; in 5 steps the only
     # re-plan can be the one before `auto`'s trials (where the link probe makes a layout look worth it), from step 3
     from ds_cobalt.planner.layout import contiguous_layout, layout_from_dict
