@@ -408,9 +408,10 @@ class LayerCore:
         """For a `dense_contested` layer in its first warm-up: dense runs the remaining warm-up steps and leads the
         trials (`ScheduleGate`, where the model's saving looks immaterial after step 1). The warm-up then times
         dense's own step, and a layer that settles on dense ran DeepSpeed's exchange, not the favourite's CPU
-        work (direct at loopback here: ~250 ms steps against dense's ~150)."""
-        self._chooser.lead_with(DENSE)
-        self._chooser_from_forward = self.forwards  # the windows now start after the run's first step
+        work (direct at loopback here: ~250 ms steps against dense's ~150). Nothing changes where no warm-up step is
+        left (`StepTimedChoice.lead_with`)."""
+        if self._chooser.lead_with(DENSE):
+            self._chooser_from_forward = self.forwards  # the windows now start after the run's first step
 
     def settle_dense(self, saving_share: float) -> None:
         """Make `auto`'s first choice dense without trials: the cost model's saving over dense, `saving_share` of a

@@ -189,16 +189,19 @@ class StepTimedChoice:
         n = len(self.candidates)
         return [c for r in range(self.repeats) for c in self.candidates[r % n:] + self.candidates[: r % n]]
 
-    def lead_with(self, candidate: str) -> None:
-        """During the warm-up: `candidate` runs its remaining steps and becomes the first candidate (the same on every
-        rank). The warm-up windows timed so far, another candidate's, are dropped from `warmup_s`."""
-        if self.chosen is not None or self._started is not None or self._trial > self.warmup:
-            raise RuntimeError("lead_with: only between the warm-up steps")
+    def lead_with(self, candidate: str) -> bool:
+        """Between two warm-up steps with more to come: `candidate` runs the remaining ones and becomes the first
+        candidate (the same on every rank); the warm-up windows timed so far, another candidate's, are dropped from
+        `warmup_s`. False, changing nothing, where no warm-up step is left (several forwards per optimizer step, or
+        a warm-up of one step) or a trial is running."""
         if candidate not in self.candidates:
             raise ValueError(f"lead_with: {candidate!r} is not among the candidates {self.candidates}")
+        if self.chosen is not None or self._started is not None or self._trial >= self.warmup:
+            return False
         self.candidates = [candidate] + [c for c in self.candidates if c != candidate]
         self.trials = self.trials[: self._trial] + [candidate] * (self.warmup - self._trial) + self._rounds()
         self.warmup_s = []
+        return True
 
     @property
     def wants_model(self) -> bool:

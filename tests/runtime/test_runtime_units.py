@@ -543,7 +543,7 @@ def test_warm_up_on_dense_runs_the_rest_of_the_warm_up_and_leads_the_trials(monk
     """`LayerCore.warm_up_on_dense` after the first warm-up step (`ScheduleGate`, an immaterial saving after step 1):
     dense runs the remaining warm-up steps, whose windows alone (not the favourite's first one) make
     `warmup_step_s`; the model's gap to the warm-up's candidate is then 0, and the trials start with dense and
-    rotate as before. `StepTimedChoice.lead_with` is refused once the trials run, or for a non-candidate."""
+    rotate as before. Nothing changes once no warm-up step is left; a non-candidate is refused."""
     from ds_cobalt.runtime.layer import DENSE, SCHEDULE_WARMUP
     from ds_cobalt.runtime.topology import EPGroups
 
@@ -572,8 +572,16 @@ def test_warm_up_on_dense_runs_the_rest_of_the_warm_up_and_leads_the_trials(monk
     assert core._chooser.candidates == [DENSE, "direct", "hierarchical"]
     assert [step(0.2) for _ in range(3)] == [DENSE, "direct", "hierarchical"]  # round 1, dense first
     assert core._chooser.trials[SCHEDULE_WARMUP + 3: SCHEDULE_WARMUP + 6] == ["direct", "hierarchical", DENSE]
-    with pytest.raises(RuntimeError, match="between the warm-up steps"):
-        core._chooser.lead_with("direct")
+    trials = list(core._chooser.trials)
+    assert not core._chooser.lead_with("direct") and core._chooser.trials == trials  # no warm-up step left
+    # several forwards per optimizer step (gradient accumulation) can end the warm-up within step 1: nothing to lead
+    core, now = _core_in_first_warm_up(monkeypatch)
+    core._chooser.use_model({"hierarchical": 0.5, "direct": 0.45, "dense": 0.5}, [])
+    for _ in range(SCHEDULE_WARMUP):
+        core._chooser.pick(cpu, groups)
+        core.forwards += 1
+    core.warm_up_on_dense()
+    assert core._chooser.candidates[0] == "direct" and core._chooser_from_forward == 0
 
 
 def _routing(rng, E: int, K: int, W: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
