@@ -323,6 +323,35 @@ def test_stage2_auto_times_step_interval_and_no_replicas_and_matches_deepspeed(r
     assert all(out["stage2"] == results[0]["stage2"] for out in results)  # every rank agrees
 
 
+def _accumulation_body(rank: int, world: int) -> dict:
+    import ds_cobalt
+    from ds_cobalt.integrations.schedule_gate import ScheduleGate
+
+    micro_steps = range(24)  # 6 optimizer steps of 4 micro-batches: the warm-up ends within step 1
+    accumulate = {"gradient_accumulation_steps": 4}
+    engine = build_engine("deepspeed", 1, extra=accumulate)
+    out = {"deepspeed": train(engine, micro_steps)}
+    engine.destroy()
+    engine = build_engine("cobalt", 1, extra=accumulate)  # a bare section: `auto`, the gate, re-planning
+    out["cobalt"] = train(engine, micro_steps)
+    out["gate"] = [g.decisions for g in engine.cobalt_step_hooks if isinstance(g, ScheduleGate)]
+    out["traffic"] = ds_cobalt.traffic_summary(engine)
+    engine.destroy()
+    return out
+
+
+def test_auto_with_gradient_accumulation_matches_deepspeed(run_ranks) -> None:
+    """A bare section with 4 micro-batches per optimizer step: `auto`'s warm-up (one forward each) is over within
+    step 1, so the gate has no warm-up left to hand to dense and goes on; training is DeepSpeed's."""
+    import numpy as np
+
+    for out in run_ranks(_accumulation_body, 4, ranks_per_node=2, timeout=300):
+        np.testing.assert_allclose(out["cobalt"], out["deepspeed"], rtol=1e-5, atol=1e-6)
+        assert len(out["gate"]) == 1 and out["gate"][0][0]["step"] == 1, out["gate"]
+        t = out["traffic"]
+        assert sum(t[f"forwards_{name}"] for name in ("hierarchical", "direct", "dense")) == 2 * 24, t
+
+
 def _timeline_replanner(layers: list, cfg):
     """A `Replanner` over stand-in layers with no planner, engine or process group: its step timeline alone."""
     from ds_cobalt.config import MigrationConfig
