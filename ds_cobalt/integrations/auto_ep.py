@@ -84,7 +84,7 @@ class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
         experts = self.experts
         binding = ExpertBinding(self._expert_module, _FUSED_NAMES,
                                 [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)])
-        output = self.cobalt_core.run(x_TD, ro.selected_experts.long(), ro.top_scores, binding)
+        output = self.cobalt_core.run(x_TD, ro.selected_experts.long(), ro.top_scores, binding, training=self.training)
         return self._finalize_output(output.reshape(bsz, seqlen, hdim), x_TD, hidden_states, hdim)
 
 

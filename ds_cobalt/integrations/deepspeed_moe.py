@@ -88,7 +88,7 @@ class MoE(CoreAccess, DeepSpeedMoE):
         binding = ExpertBinding(experts[0], tuple(name for name, _ in experts[0].named_parameters()),
                                 [tuple(expert.parameters()) for expert in experts], experts)
         output = self.cobalt_core.run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
-                                      locations_KT.t())
+                                      locations_KT.t(), training=self.training)
         output = output.reshape(hidden_states.shape)
 
         if self.use_residual:

@@ -500,9 +500,12 @@ class LayerCore:
     # ----- forward ---------------------------------------------------------------------------------
     def run(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertBinding,
             deepspeed_capacity: torch.Tensor | int = 0, capacity_is_local: bool = False,
-            locations_TK: torch.Tensor | None = None) -> torch.Tensor:
+            locations_TK: torch.Tensor | None = None, training: bool = True) -> torch.Tensor:
         """`[T, D]` weighted expert outputs for the router's `topk_ids_TK` (int, -1 = dropped) and
-        `weights_TK`. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none); `capacity_is_local`:
+        `weights_TK`. `training`: the layer's mode; an eval forward runs the schedule and replica mode chosen (or,
+        during `auto`'s trials, the leading candidate) without timing anything, so evaluations between training
+        steps do not count as trial steps. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none);
+        `capacity_is_local`:
         it is this rank's value, DeepSpeed's is the largest over the EP group (the count exchange finds it,
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
         gate gives them; computed here otherwise), for the `dense` schedule."""
@@ -511,7 +514,7 @@ class LayerCore:
         if self._chooser.wants_model:
             self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
                                   capacity_is_local or locations_TK is None)
-        schedule = self._pick_schedule(x_TD.device)
+        schedule = self._pick_schedule(x_TD.device, timed=training)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE:
             if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
@@ -520,12 +523,12 @@ class LayerCore:
             capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
             if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
                 self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
-                schedule = self._pick_schedule(x_TD.device)
+                schedule = self._pick_schedule(x_TD.device, timed=training)
         self.schedule_forwards[schedule] += 1
         flat = schedule in (DIRECT, DENSE)
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
-        replicas = self._replica_mode(schedule, x_TD.device)
+        replicas = self._replica_mode(schedule, x_TD.device, timed=training)
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
         # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
@@ -586,10 +589,11 @@ class LayerCore:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
                       time.perf_counter() - start, probed - start)
 
-    def _replica_mode(self, schedule: str, device: torch.device) -> str | None:
+    def _replica_mode(self, schedule: str, device: torch.device, timed: bool = True) -> str | None:
         """This forward's use of the spare slots (`stage2`; None: the layout's replicas). While `auto` still times
         the schedules, the hierarchical trials run with stage 2 on; once the schedule is decided its modes
-        (`replica_modes`) are timed on the next steps, again after every layout change."""
+        (`replica_modes`) are timed on the next steps, again after every layout change (not `timed`: an eval
+        forward, which takes the mode chosen or the leading one and times nothing)."""
         if self._chooser.chosen is None:
             return "step" if "step" in self.replica_modes(schedule) else None
         if self._replica_schedule != schedule:
@@ -607,6 +611,8 @@ class LayerCore:
         if chooser is None:
             return None
         decided = chooser.chosen is not None
+        if not timed:
+            return chooser.untimed_pick()
         mode = chooser.pick(device, self.groups)
         if not decided and chooser.chosen is not None and len(chooser.candidates) > 1:
             self.replica_history.append({"forward": self.forwards, "schedule": schedule, "stage2": chooser.chosen,
@@ -616,8 +622,10 @@ class LayerCore:
                           chooser.chosen, {c: round(t, 5) for c, t in chooser.medians.items()})
         return mode
 
-    def _pick_schedule(self, device: torch.device) -> str:
+    def _pick_schedule(self, device: torch.device, timed: bool = True) -> str:
         chooser = self._chooser
+        if not timed:  # an eval forward: no trial step
+            return chooser.untimed_pick()
         decided = chooser.chosen is not None
         schedule = chooser.pick(device, self.groups)
         newly_decided = not decided and chooser.chosen is not None

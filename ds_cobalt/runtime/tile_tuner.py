@@ -237,6 +237,11 @@ class StepTimedChoice:
         self._started = now
         return self.trials[self._trial]
 
+    def untimed_pick(self) -> str:
+        """The candidate a forward that is not a trial step runs (an eval forward): the one chosen, else the one
+        leading the trials (the model's favourite). Nothing is timed or advanced, and no collective runs."""
+        return self.chosen if self.chosen is not None else self.candidates[0]
+
     def step_end(self, device: torch.device) -> None:
         """The optimizer step after the trial's forward finished (`CobaltEngine.step`): the trial ends here, so
         work between steps (data loading, other models) stays out of it."""

@@ -352,6 +352,57 @@ def test_auto_with_gradient_accumulation_matches_deepspeed(run_ranks) -> None:
         assert sum(t[f"forwards_{name}"] for name in ("hierarchical", "direct", "dense")) == 2 * 24, t
 
 
+def _eval_body(rank: int, world: int) -> dict:
+    import itertools
+
+    import torch
+    from test_migration import batch
+
+    from ds_cobalt.integrations.layers import layer_cores
+    from ds_cobalt.runtime import tile_tuner
+
+    # every timed window lasts 10 s: the trials tie and the cost model's saving is immaterial against such a step,
+    # so the choices (dense, settled by the gate after the warm-up) do not depend on this machine's timing
+    clock = itertools.count()
+    tile_tuner.StepTimedChoice._now = staticmethod(lambda device: 10.0 * next(clock))
+
+    def run(evaluate: bool) -> dict:
+        engine = build_engine("cobalt", 1, cobalt={"planner": {"replan_interval": 0}})
+        chosen_after: list[bool] = []  # every layer's schedule chosen, after each optimizer step
+
+        def before(e, step: int) -> None:
+            if step:
+                chosen_after.append(all(core.schedule is not None for core in layer_cores(e)))
+            if evaluate:  # an evaluation between training steps: eval mode, no gradients
+                e.eval()
+                with torch.no_grad():
+                    e(*batch(1000 + step, rank))
+                e.train()
+
+        losses = train(engine, range(16), before_step=before)
+        out = {"losses": losses, "chosen_after": chosen_after,
+               "history": [[(h["forward"], h["schedule"]) for h in core.schedule_history]
+                           for core in layer_cores(engine)],
+               "forwards": [core.forwards for core in layer_cores(engine)]}
+        engine.destroy()
+        return out
+
+    return {"train": run(False), "with_eval": run(True)}
+
+
+def test_eval_forwards_are_not_trial_steps(run_ranks) -> None:
+    """Evaluations between training steps (eval mode, no gradients) run the leading or chosen schedule and time
+    nothing: `auto` makes its choices after the same optimizer steps as without them, and training is unchanged."""
+    import numpy as np
+
+    for out in run_ranks(_eval_body, 4, ranks_per_node=2, timeout=300):
+        plain, evaluated = out["train"], out["with_eval"]
+        np.testing.assert_allclose(evaluated["losses"], plain["losses"], rtol=1e-5, atol=1e-6)
+        assert evaluated["forwards"] == [2 * f for f in plain["forwards"]]  # an eval forward before each step
+        assert evaluated["chosen_after"] == plain["chosen_after"] and any(plain["chosen_after"]), out
+        assert [[s for _, s in h] for h in evaluated["history"]] == [[s for _, s in h] for h in plain["history"]]
+
+
 def _timeline_replanner(layers: list, cfg):
     """A `Replanner` over stand-in layers with no planner, engine or process group: its step timeline alone."""
     from ds_cobalt.config import MigrationConfig
