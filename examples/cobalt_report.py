@@ -128,12 +128,16 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     return out
 
 
+def _percent(share: float) -> str:
+    return "<1 %" if 0 < share < 0.005 else f"{100 * share:.0f} %"
+
+
 def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     print("what ds_cobalt did")
     ran = {name: n for name, n in s.get("forwards_by_schedule", {}).items() if n}
     if ran:
         total = sum(ran.values())
-        shares = ", ".join(f"{name} {100 * n / total:.0f} %" for name, n in sorted(ran.items(), key=lambda kv: -kv[1]))
+        shares = ", ".join(f"{name} {_percent(n / total)}" for name, n in sorted(ran.items(), key=lambda kv: -kv[1]))
         print(f"  schedules run       {shares} of the {total} layer forwards (all ranks; `auto`'s trials included)")
     if not s["replans"] and s.get("replans_skipped_dense"):
         print(f"  re-plans            skipped after steps {', '.join(map(str, s['replans_skipped_dense']))}: every "
