@@ -87,8 +87,11 @@ def _mean(values: list[float]) -> float | None:
 def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
     """Before / after the first re-plan that moved experts (or changed replicas), from the gathered per-step data."""
     from ds_cobalt.integrations.replan import Replanner
+    from ds_cobalt.integrations.schedule_gate import ScheduleGate
 
-    replanner = next((h for h in getattr(engine, "cobalt_step_hooks", []) if isinstance(h, Replanner)), None)
+    hooks = getattr(engine, "cobalt_step_hooks", [])
+    replanner = next((h for h in hooks if isinstance(h, Replanner)), None)
+    gate = next((h for h in hooks if isinstance(h, ScheduleGate)), None)
     history = replanner.history if replanner is not None else []
     moves = [m for m in getattr(engine, "cobalt_migrations", []) if m.reason.startswith("replan")]
     committed = [m for m in moves if m.ok]
@@ -109,7 +112,10 @@ def summarize(per_step: dict[str, list[float]], engine: Any) -> dict[str, Any]:
            "replans_owners_held": [[h["step"], h["owners_held"]] for h in history if h.get("owners_held")],
            "migrations": len(committed), "migrations_failed": len(moves) - len(committed),
            "experts_moved": sum(len(m.moved) for m in committed), "migration_steps": [m.step for m in committed],
-           "first_migration_step": first}
+           "first_migration_step": first,
+           # `auto`'s gate: per check (after step 1, before the first trials), the model's saving over dense as a
+           # share of a dense step
+           "schedule_gate": list(gate.decisions) if gate is not None else []}
     # layer forwards run on each transport schedule, summed over steps and ranks (`auto`'s warm-up and trials included)
     out["forwards_by_schedule"] = {key.removeprefix("forwards_"): int(sum(per_step.get(key, [])))
                                    for key in SCHEDULE_KEYS}

@@ -11,7 +11,11 @@ predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
 - after step 1 (`BEFORE_TRIALS_STEP`): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
   whose model does not rule dense out, since the planner worker's CPU would be spent beside the first steps; and
   dense runs the rest of their warm-up (`LayerCore.warm_up_on_dense`), so that the check below times dense's own
-  step and a layer kept on dense ran DeepSpeed's exchange from step 2;
+  step and a layer kept on dense ran DeepSpeed's exchange from step 2. Where the saving is material, the plan
+  before the trials may also move the owners (`LayerCore.owner_moves_priced`), so the first dozen steps run a layout
+  that follows the routing, not the contiguous owners with planned spare slots (at 100 Mbit/s the default model's
+  share was 14 % and 25 % in the checks after step 1 and after the warm-up, against 1.7-4.1 % on the fast links,
+  where the layers then keep dense);
 - when the warm-up ends, before the first trial (a window of the run's first step left out): the layers settle on
   dense, DeepSpeed's own exchange, with no trials (`LayerCore.settle_dense`).
 """
@@ -28,7 +32,7 @@ from ..runtime.layer import LayerCore
 from .layers import layer_cores
 from .replan import BEFORE_TRIALS_STEP
 
-__all__ = ["MATERIAL_SAVING", "ScheduleGate", "immaterial_share"]
+__all__ = ["MATERIAL_SAVING", "ScheduleGate", "immaterial_share", "saving_share"]
 
 # the model's communication saving over dense, as a share of a dense step, below which no trials run: twice the
 # trials' own margin (`layer.DENSE_MARGIN`); on the 2 x 2 testbed the saving the model priced at 6-8 % of a step
@@ -37,16 +41,19 @@ __all__ = ["MATERIAL_SAVING", "ScheduleGate", "immaterial_share"]
 MATERIAL_SAVING = 0.10
 
 
-def immaterial_share(gaps: list[tuple[float, float]], warmup_step_s: float) -> float | None:
-    """The model's saving over dense as a share of a dense step, when it is below `MATERIAL_SAVING` (else None).
+def saving_share(gaps: list[tuple[float, float]], warmup_step_s: float) -> float | None:
+    """The model's saving over dense as a share of a dense step (None without a step to compare with).
     `gaps`: per layer, `LayerCore.predicted_dense_gaps` (dense minus the best other candidate, dense minus the
     warm-up's favourite); `warmup_step_s`: a step of the warm-up, which ran the favourites."""
     saving = sum(max(0.0, best) for best, _ in gaps)
     dense_step_s = warmup_step_s + sum(favourite for _, favourite in gaps)
-    if dense_step_s <= 0.0:
-        return None
-    share = saving / dense_step_s
-    return share if share < MATERIAL_SAVING else None
+    return saving / dense_step_s if dense_step_s > 0.0 else None
+
+
+def immaterial_share(gaps: list[tuple[float, float]], warmup_step_s: float) -> float | None:
+    """`saving_share` where it is below `MATERIAL_SAVING` (else None)."""
+    share = saving_share(gaps, warmup_step_s)
+    return share if share is not None and share < MATERIAL_SAVING else None
 
 
 class ScheduleGate:
@@ -55,7 +62,8 @@ class ScheduleGate:
 
     def __init__(self) -> None:
         self._cores: list[LayerCore] | None = None
-        self.decisions: list[dict[str, Any]] = []  # per check: step, what for, layers, step seconds, immaterial share
+        # per check: step, what for, layers, step seconds, the model's saving share and that share where immaterial
+        self.decisions: list[dict[str, Any]] = []
 
     def __call__(self, engine: Any) -> None:
         if self._cores is None:
@@ -66,8 +74,10 @@ class ScheduleGate:
         step = int(engine.global_steps)
         if step == BEFORE_TRIALS_STEP:
             for cores, share in self._verdicts(step, "plan", contested):
+                priced = self.decisions[-1]["saving_share"]
                 for core in cores:
                     core.layout_gain_material = share is None
+                    core.owner_moves_priced = share is None and priced is not None
                     if share is not None:
                         core.warm_up_on_dense()
         due = [core for core in contested if core.first_trials_due]
@@ -83,14 +93,16 @@ class ScheduleGate:
 
     def _verdicts(self, step: int, purpose: str, cores: list[LayerCore]) -> list[tuple[list[LayerCore], float | None]]:
         """Per EP group of `cores` (in layer order): its cores and `immaterial_share` on the slowest rank's longest
-        warm-up window (one all-reduce per group; the same cores on every rank of a group)."""
+        warm-up window (one all-reduce per group; the same cores on every rank of a group). The group's
+        `saving_share` is in the last entry of `decisions`."""
         out = []
         for group in _groups_in_order(cores):
             mine = [core for core in cores if core.groups.ep_group is group]
             window_s = float(slowest_rank([max((core.warmup_step_s or 0.0) for core in mine)], group)[0])
-            share = immaterial_share([core.predicted_dense_gaps() for core in mine], window_s) if window_s else None
+            priced = saving_share([core.predicted_dense_gaps() for core in mine], window_s) if window_s else None
+            share = priced if priced is not None and priced < MATERIAL_SAVING else None
             self.decisions.append({"step": step, "for": purpose, "layers": len(mine), "step_s": window_s,
-                                   "immaterial_share": share})
+                                   "saving_share": priced, "immaterial_share": share})
             out.append((mine, share))
         return out
 

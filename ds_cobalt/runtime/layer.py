@@ -180,6 +180,9 @@ class LayerCore:
         self._dense_seconds: float | None = None
         self._chooser_from_forward = 0  # forwards run before the current choice started
         self.layout_gain_material = True  # `ScheduleGate`: the model's saving matters to the step (after step 1)
+        # `ScheduleGate`: the model's saving is material to the step (after step 1), so a plan before the trials may
+        # move the owners
+        self.owner_moves_priced = False
         self.forwards = 0  # forward passes run (training and eval)
         self.schedule_forwards: Counter[str] = Counter()  # forwards run on each transport schedule
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
@@ -426,13 +429,14 @@ class LayerCore:
     @property
     def owners_may_move(self) -> bool:
         """Whether a re-plan may move this layer's owners: the schedule it runs follows the layout and clearly beats
-        dense, which no layout helps. Before `auto`'s first choice: its cost model rules dense out. After it: dense
+        dense, which no layout helps. Before `auto`'s first choice: its cost model rules dense out, or prices a
+        saving over dense that is material to the step (`owner_moves_priced`, from `ScheduleGate`). After it: dense
         is not a candidate (a fixed schedule), the model ruled it out, or the last decision measured the kept
         schedule at least `OWNER_MOVE_WIN` faster. Elsewhere the layer takes a plan's spare slots only: a narrow win
         may not hold on the new layout, and owner moves that end on dense are paid for nothing."""
         chooser = self._chooser
         if not self.first_schedule_chosen:
-            return chooser is not None and DENSE in chooser.pruned
+            return chooser is not None and (DENSE in chooser.pruned or self.owner_moves_priced)
         last = self.schedule_history[-1]
         timings, kept = last["timings_s"], last["schedule"]
         if kept == DENSE or DENSE in last["model"].get("pruned", ()) or DENSE not in timings:

@@ -471,6 +471,7 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
         def __init__(self, gap: float, window_s: float) -> None:
             self.gap, self.warmup_step_s, self.step = gap, window_s, 0
             self.first_schedule_chosen, self.settled, self.layout_gain_material = False, None, True
+            self.owner_moves_priced = False
             self.groups = types.SimpleNamespace(ep_group=None)
             self.dense_warm_up_from: int | None = None
 
@@ -507,11 +508,14 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     assert [layer.dense_warm_up_from for layer in layers] == [2, 2]
     assert [(d["step"], d["for"], d["layers"], d["step_s"]) for d in gate.decisions] == [
         (1, "plan", 2, 0.25), (3, "trials", 2, 0.25)]
-    layers, gate = run([0.05, 0.05], [0.25, 0.2])  # 0.1 s of 0.35: the plan and the trials run
+    assert [layer.owner_moves_priced for layer in layers] == [False, False]
+    layers, gate = run([0.05, 0.05], [0.25, 0.2])  # 0.1 s of 0.35: the plan and the trials run, owners may move
     assert [layer.settled for layer in layers] == [None, None]
     assert [layer.layout_gain_material for layer in layers] == [True, True]
+    assert [layer.owner_moves_priced for layer in layers] == [True, True]
     assert [layer.dense_warm_up_from for layer in layers] == [None, None]
     assert [d["immaterial_share"] for d in gate.decisions] == [None, None]
+    assert [d["saving_share"] for d in gate.decisions] == [pytest.approx(0.1 / 0.35)] * 2
 
 
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
@@ -663,7 +667,7 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 
 def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
-    where the cost model rules dense out; after it, where the kept schedule follows the layout and dense was ruled
+    where the cost model rules dense out or prices a saving material to the step; after it, where the kept schedule follows the layout and dense was ruled
     out, was no candidate, or measured OWNER_MOVE_WIN slower in the last decision; never held with
     `migration.ignore_cost_model`, and skipped layers are not listed."""
 
@@ -677,12 +681,15 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
         layer._chooser.use_model({"hierarchical": 1.0, "direct": 1.0, "dense": 2.0}, list(pruned))
         layer.schedule_history = [{"forward": 10 * (n + 1), "schedule": s, "timings_s": t, "model": {"pruned": p}}
                                   for n, (s, t, p) in enumerate(history)]
-        layer._kept_schedule = history[-1][0] if history else None
+        layer._kept_schedule, layer.owner_moves_priced = (history[-1][0] if history else None), False
         return layer
 
     assert OWNER_MOVE_WIN == 0.15
     win = 1.0 - OWNER_MOVE_WIN
     assert core(pruned=["dense"]).owners_may_move and not core().owners_may_move  # before the first choice
+    priced = core()
+    priced.owner_moves_priced = True  # `ScheduleGate`: the model's saving is material to the step
+    assert priced.owners_may_move
     cases = [
         ([("direct", {"direct": 0.5, "dense": 1.0}, [])], True),  # a clear win
         ([("direct", {"direct": win - 0.01, "dense": 1.0}, [])], True),
