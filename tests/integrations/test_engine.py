@@ -667,9 +667,9 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 
 def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
-    where the cost model rules dense out or prices a saving material to the step; after it, where the kept schedule follows the layout and dense was ruled
-    out, was no candidate, or measured OWNER_MOVE_WIN slower in the last decision; never held with
-    `migration.ignore_cost_model`, and skipped layers are not listed."""
+    where the cost model rules dense out or prices a saving material to the step; after it, where the kept schedule
+    follows the layout and dense was ruled out, was no candidate, or measured OWNER_MOVE_WIN slower in the last
+    decision; never held with `migration.ignore_cost_model`, and skipped layers are not listed."""
 
     from ds_cobalt.config import MigrationConfig, PlannerConfig
     from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
