@@ -702,7 +702,8 @@ def test_all_reduce_host_returns_host_values(run_ranks) -> None:
 def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     """`LayerCore.replica_modes`: with `planner.stage2: "auto"` the hierarchical schedule times stage 2 every step,
     the re-plan's replicas and none, the direct schedule the last two, dense nothing; a pinned stage 2 times nothing.
-    Once "none" won for a schedule, a later layout keeps it without trials (`_replica_mode`)."""
+    Once "none" won clearly for a schedule, a later layout keeps it without trials (`_replica_mode`); after a narrow
+    win the modes are timed again."""
     import types
 
     from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
@@ -730,6 +731,13 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     assert auto._replica_mode("direct", cpu) == "interval" and auto.stage2 is None  # timed: the first mode warms up
     assert (auto._replica_chooser.prefer, auto._replica_chooser.margin) == ("none", DENSE_MARGIN)  # none unless beaten
     again = core("auto")
-    again.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": {}}]
+    clear = {"none": 0.2, "interval": 0.2 / (1.0 - DENSE_MARGIN) + 1e-6}
+    again.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": clear}]
     assert again._replica_mode("direct", cpu) == "none" and again.stage2 == "none"  # carried over, no trial
     assert again._replica_chooser.candidates == ["none"]
+    # a narrow win of "none", or one kept by preference, is timed again on the next layout
+    for timings in ({"none": 0.2, "interval": 0.205}, {"none": 0.25, "interval": 0.239}):
+        narrow = core("auto")
+        narrow.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": timings}]
+        assert narrow._replica_mode("direct", cpu) == "interval" and narrow.stage2 is None
+        assert narrow._replica_chooser.candidates == ["interval", "none"]
