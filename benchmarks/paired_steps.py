@@ -13,8 +13,7 @@ variant's (> 1 = faster than DeepSpeed), and writes them to `--json-out`.
 Variants (`--variants`): deepspeed, hierarchical, direct, dense, auto (ds_cobalt's `transport.schedule`), each
 with the config's `"cobalt"` section otherwise (re-planning on by default), and each of those with `-static`
 (re-planning off) or `-interval` (`planner.stage2: "interval"`: the re-plan's replicas, no per-step refill); the
-first `--skip` steps (warm-up, `auto`'s trials included
-in its median only when `--count-trials`) are left out.
+first `--skip` steps (the warm-up; `auto`'s trials after a layout change stay in its median) are left out.
 """
 
 from __future__ import annotations
