@@ -703,7 +703,7 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     """`LayerCore.replica_modes`: with `planner.stage2: "auto"` the hierarchical schedule times stage 2 every step,
     the re-plan's replicas and none, the direct schedule the last two, dense nothing; a pinned stage 2 times nothing.
     Once "none" won clearly for a schedule, a later layout keeps it without trials (`_replica_mode`); after a narrow
-    win the modes are timed again."""
+    win the modes are timed again. Near-ties keep "none", or the replicas where the layer is `traffic_bound`."""
     import types
 
     from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
@@ -718,7 +718,7 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
         c._spares = object() if spares else None
         c._chooser = StepTimedChoice(["direct"])  # the schedule is decided
         c._replica_chooser = c._replica_schedule = None
-        c.replica_history, c.forwards = [], 0
+        c.replica_history, c.forwards, c.schedule_history, c.owner_moves_priced = [], 0, [], False
         c._groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
         return c
 
@@ -730,6 +730,15 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     cpu = torch.device("cpu")
     assert auto._replica_mode("direct", cpu) == "interval" and auto.stage2 is None  # timed: the first mode warms up
     assert (auto._replica_chooser.prefer, auto._replica_chooser.margin) == ("none", DENSE_MARGIN)  # none unless beaten
+    # where the layer's traffic is material (dense ruled out in the last decision, or a material saving priced by
+    # the gate), the replicas stay unless "none" is DENSE_MARGIN faster
+    for bound in ({"schedule_history": [{"schedule": "direct", "timings_s": {}, "model": {"pruned": ["dense"]}}]},
+                  {"owner_moves_priced": True}):
+        traffic = core("auto")
+        traffic.__dict__.update(bound)
+        assert traffic.traffic_bound and traffic._replica_mode("direct", cpu) == "interval"
+        assert traffic._replica_chooser.prefer == "interval"
+    assert not auto.traffic_bound
     again = core("auto")
     clear = {"none": 0.2, "interval": 0.2 / (1.0 - DENSE_MARGIN) + 1e-6}
     again.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": clear}]
