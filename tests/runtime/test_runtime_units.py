@@ -321,6 +321,35 @@ def test_step_timed_choice_needs_a_clear_win_where_the_model_disagrees(monkeypat
     assert chooser.chosen == chosen and chooser.medians == pytest.approx(cost)
 
 
+@pytest.mark.parametrize("hierarchical_predicted,direct_s,chosen", [
+    (1.0, 0.97, "hierarchical"),  # the model prices hierarchical clearly below direct: a 3 % faster direct loses
+    (1.0, 0.94, "direct"),  # ... and a 6 % faster one wins (DENSE_MARGIN)
+    (1.45, 0.97, "direct"),  # priced within CLEAR_SAVING of direct: the faster median wins
+])
+def test_step_timed_choice_keeps_the_models_clear_favourite_in_a_close_call(monkeypatch, hierarchical_predicted,
+                                                                            direct_s, chosen) -> None:
+    """Between candidates other than the preferred one (dense), the one the model prices CLEAR_SAVING below the
+    fastest stays unless the fastest measured DENSE_MARGIN faster; dense keeps its own rule."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
+    chooser.use_model({"hierarchical": hierarchical_predicted, "direct": 1.5, "dense": 2.0}, [])
+    cost = {"hierarchical": 1.0, "direct": direct_s, "dense": 1.5}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    while chooser.chosen is None:
+        now["t"] += cost[chooser.pick(torch.device("cpu"), groups)]
+    assert chooser.chosen == chosen and chooser.medians == pytest.approx(cost)
+    slow_dense = LayerCore._schedule_chooser(["hierarchical", "dense"])  # and the favourite still has to beat dense
+    slow_dense.use_model({"hierarchical": 1.0, "dense": 2.0}, [])
+    slow_dense.medians = {"hierarchical": 1.0, "dense": 1.02}
+    slow_dense._decide_known()
+    assert slow_dense.chosen == "dense"
+
+
 @pytest.mark.parametrize("direct_s,hierarchical_s,seen,chosen", [
     # (3 warm-up steps of the favourite, then rounds in rotated order)
     # direct's first step is 1.5x dense's: dropped after round 1; hierarchical (the favourite) stays and loses
