@@ -288,8 +288,12 @@ class LayerCore:
         # the layer's first trials start after SCHEDULE_WARMUP steps (the run's first steps are slower); trials for a
         # later layout (re-timing the kept schedule, or first trials restarted by a layout change) after one step
         warmup = SCHEDULE_WARMUP if before is None else 1
-        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known,
-                                               warmup)  # every layout
+        # a re-timing against dense's earlier time keeps the schedule that won clearly unless dense measures faster by
+        # the margin (`DISPUTED_DENSE_MARGIN` where the model priced dense above it): its trial steps can share their
+        # step with another layer's dense trials, or follow a migration, and read slow (at 100 Mbit/s one re-timing
+        # after a migration put hierarchical at dense's time, 0.361 against 0.363 s, after 0.24-0.31 s before)
+        self._chooser = self._schedule_chooser(self._schedule_candidates(previous=previous), known, warmup,
+                                               prefer=previous if known else DENSE)  # every layout
         self._chooser_from_forward = self.forwards
         if known and before is not None and before.predicted:
             # a re-timing against dense's earlier time runs no cost model: the last prediction sets its margin
@@ -301,11 +305,12 @@ class LayerCore:
 
     @staticmethod
     def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
-                          warmup: int = SCHEDULE_WARMUP) -> StepTimedChoice:
+                          warmup: int = SCHEDULE_WARMUP, prefer: str = DENSE) -> StepTimedChoice:
         """Timed choice among `candidates`; DeepSpeed's own exchange (dense) stays unless another schedule
         measures `DENSE_MARGIN` faster, so noise in a close call does not make the layer slower than DeepSpeed.
-        `known`: step seconds measured before, which need no trial."""
-        return StepTimedChoice(candidates, warmup=warmup, prefer=DENSE, margin=DENSE_MARGIN,
+        `known`: step seconds measured before, which need no trial. `prefer`: the schedule that stays in a close
+        call (dense; in a re-timing against dense's known time, the schedule kept)."""
+        return StepTimedChoice(candidates, warmup=warmup, prefer=prefer, margin=DENSE_MARGIN,
                                screen_ratio=SCREEN_RATIO, agreed_ratio=AGREED_SCREEN_RATIO, known=known,
                                disputed_margin=DISPUTED_DENSE_MARGIN, clear_saving=CLEAR_SAVING)
 

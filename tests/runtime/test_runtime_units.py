@@ -468,6 +468,32 @@ def test_step_timed_choice_with_a_known_time_runs_no_trial_of_it(monkeypatch, hi
     assert chooser.chosen == chosen and chooser.medians == pytest.approx({"hierarchical": hierarchical_s, "dense": 1.0})
     # everything known: decided at once, no trial, no collective
     assert tile_tuner.StepTimedChoice(["dense"], known={"dense": 1.0}).chosen == "dense"
+
+
+@pytest.mark.parametrize("hierarchical_s,priced,chosen", [
+    (0.98, True, "hierarchical"),  # a close call keeps the schedule kept before
+    (1.3, True, "hierarchical"),  # dense 23 % faster: under DISPUTED_DENSE_MARGIN where the model prices dense above
+    (1.5, True, "dense"),  # 33 % faster
+    (1.3, False, "dense"),  # without a model, DENSE_MARGIN
+])
+def test_re_timing_against_dense_keeps_the_schedule_kept(monkeypatch, hierarchical_s, priced, chosen) -> None:
+    """A re-timing against dense's known time (`install_layout` after a clear win) prefers the schedule kept: dense
+    replaces it only where it measures the margin faster."""
+    from ds_cobalt.runtime import tile_tuner
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.topology import EPGroups
+
+    groups = EPGroups(Topology(1, 1, 0), (0,), None, None, None)
+    chooser = LayerCore._schedule_chooser(["hierarchical", "dense"], known={"dense": 1.0}, warmup=1,
+                                          prefer="hierarchical")
+    if priced:  # as `install_layout` sets it: the last decision's predictions
+        chooser.predicted = {"hierarchical": 1.0, "dense": 2.0}
+    now = {"t": 0.0}
+    monkeypatch.setattr(tile_tuner.time, "perf_counter", lambda: now["t"])
+    while chooser.chosen is None:
+        chooser.pick(torch.device("cpu"), groups)
+        now["t"] += hierarchical_s
+    assert chooser.chosen == chosen
     assert tile_tuner.StepTimedChoice(["hierarchical", "dense"], known={"hierarchical": 1.0, "dense": 2.0},
                                       prefer="dense").chosen == "hierarchical"
 
