@@ -84,6 +84,11 @@ SCREEN_RATIO = 1.25
 # predicts it slower than the fastest: two independent signs agree (at loopback hierarchical and direct measure
 # 1.1-1.2x dense and the model prices them higher, so their 4 more trial steps went)
 AGREED_SCREEN_RATIO = 1.10
+# dense, ruled out by the cost model for a layer's layout (predicted at least 2x the best), stays ruled out for the
+# layer's next layouts while predicted at least this many times the best: its traffic does not depend on the layout,
+# and the 2x line moves with the routing sample (at 100 Mbit/s one layer's prediction went from 2.6x to 1.96x, after
+# which dense's re-timing steps ran ~450 against ~250 ms, measured 1.84x)
+RULED_OUT_HOLD_RATIO = 1.5
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens
 _MODEL_SAMPLE_TOKENS, _MODEL_SAMPLE_TOTAL = 512, 8192
@@ -141,9 +146,10 @@ class _TransportSettings(Protocol):
     schedule: str
 
 
-def _clearly_fastest(mode: str, timings_s: dict[str, float]) -> bool:
-    """Whether `mode` measured at least `DENSE_MARGIN` faster than every other mode timed beside it."""
-    others = [t for m, t in timings_s.items() if m != mode]
+def _clearly_faster(mode: str, timings_s: dict[str, float], than: str | None = None) -> bool:
+    """Whether `mode` measured at least `DENSE_MARGIN` faster than `than` (default: every other mode timed beside
+    it)."""
+    others = [t for m, t in timings_s.items() if m != mode and than in (None, m)]
     return mode in timings_s and bool(others) and timings_s[mode] <= (1.0 - DENSE_MARGIN) * min(others)
 
 
@@ -184,6 +190,7 @@ class LayerCore:
         # schedule, also when it comes while the previous re-timing is still running
         self._kept_schedule: str | None = None
         self._dense_seconds: float | None = None
+        self._dense_ruled_out = False  # the model ruled dense out for the layout before (`RULED_OUT_HOLD_RATIO`)
         self._chooser_from_forward = 0  # forwards run before the current choice started
         self.layout_gain_material = True  # `ScheduleGate`: the model's saving matters to the step (after step 1)
         # `ScheduleGate`: the model's saving is material to the step (after step 1), so a plan before the trials may
@@ -280,6 +287,7 @@ class LayerCore:
             self._bare = (self._placement, self._flat_placement)
         before = self._chooser
         previous = self._kept_schedule
+        self._note_dense_ruled_out(before, previous)
         # dense sends the same padded blocks on any layout: its time measured for the layout before stands where the
         # kept schedule won clearly (`owners_may_move`); after a narrow win both are timed again, side by side, since
         # dense's time from the first trials (the slower first steps of a run) would favour what is timed later
@@ -302,6 +310,23 @@ class LayerCore:
         elif before is not None and before.predicted and np.array_equal(slots_WS, previous_slots):
             # the same layout again (trials restarted, `restart_trials`): the model's order and pruning stand
             self._chooser.use_model(before.predicted, before.pruned)
+
+    def _note_dense_ruled_out(self, before: StepTimedChoice | None, previous: str | None) -> None:
+        """Whether the model ruled dense out for the layout `before` was chosen on (`RULED_OUT_HOLD_RATIO`); a layout
+        that came before that choice's model ran keeps the flag."""
+        if previous in (None, DENSE):
+            self._dense_ruled_out = False
+        elif before is not None and before.predicted:
+            self._dense_ruled_out = DENSE in before.pruned
+
+    def _model_pruning(self, predicted: dict[str, float], fixed_s: float) -> list[str]:
+        """The candidates the model rules out (`model_pruned`); dense also at `RULED_OUT_HOLD_RATIO` where it was
+        ruled out for the layout before."""
+        pruned = model_pruned(predicted, fixed_s)
+        if self._dense_ruled_out and DENSE not in pruned and \
+                DENSE in model_pruned(predicted, fixed_s, ratio=RULED_OUT_HOLD_RATIO):
+            pruned.append(DENSE)
+        return pruned
 
     @staticmethod
     def _schedule_chooser(candidates: list[str], known: dict[str, float] | None = None,
@@ -610,7 +635,7 @@ class LayerCore:
         predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,
                                          self.topology.ranks_per_node, self.num_experts, int(capacity_W.max()),
                                          row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless)
-        self._chooser.use_model(predicted, model_pruned(predicted, costs.fixed_s))
+        self._chooser.use_model(predicted, self._model_pruning(predicted, costs.fixed_s))
         if self.topology.rank == 0:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
                       time.perf_counter() - start, probed - start)
@@ -625,13 +650,20 @@ class LayerCore:
         if self._replica_schedule != schedule:
             modes = self.replica_modes(schedule)
             last = next((h for h in reversed(self.replica_history) if h["schedule"] == schedule), None)
-            if "none" in modes and last is not None and _clearly_fastest("none", last["timings_s"]):
+            kept = None if last is None else last["stage2"]
+            if "none" in modes and last is not None and _clearly_faster("none", last["timings_s"]):
                 # replicas measured clearly slower for this schedule before: what they cost every step (a weight fetch
                 # and a gradient return per spare slot) does not depend on the layout, so a new one is not timed
                 # again. A narrow win of "none" (or one it kept by preference) is: what replicas save does depend on
                 # the layout (at 100 Mbit/s a layer that kept "none" on a 4 % loss of the re-plan's replicas sent
                 # ~0.7 MB more a step for the rest of a 60-step job, 1.56x DeepSpeed against 1.63-1.68x)
                 modes = ["none"]
+            elif (self.traffic_bound and kept in modes and kept != "none"
+                  and _clearly_faster(kept, last["timings_s"], than="none")):
+                # the replicas measured clearly faster than none where the layer's traffic is what its steps wait on:
+                # the next re-plan chooses them again to cut that traffic, so a new layout keeps the mode untimed (at
+                # 100 Mbit/s each re-timing ran three steps of "none", 40-55 ms and ~0.8 MB slower each)
+                modes = [kept]
             # no replicas stays unless another mode measures DENSE_MARGIN faster: it runs fewer collectives, and a
             # 3-step median here once kept the re-plan's replicas where side by side they cost 13 % of a step. Where
             # the layer's traffic is what its steps wait on (`traffic_bound`), the replicas, which cut that traffic,

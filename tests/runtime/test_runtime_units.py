@@ -758,7 +758,8 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
     """`LayerCore.replica_modes`: with `planner.stage2: "auto"` the hierarchical schedule times stage 2 every step,
     the re-plan's replicas and none, the direct schedule the last two, dense nothing; a pinned stage 2 times nothing.
     Once "none" won clearly for a schedule, a later layout keeps it without trials (`_replica_mode`); after a narrow
-    win the modes are timed again. Near-ties keep "none", or the replicas where the layer is `traffic_bound`."""
+    win the modes are timed again. Near-ties keep "none", or the replicas where the layer is `traffic_bound`, and
+    there a clear win of the replicas is carried over too."""
     import types
 
     from ds_cobalt.runtime.layer import DENSE_MARGIN, LayerCore
@@ -805,3 +806,46 @@ def test_replica_modes_and_no_replicas_carried_over_layouts() -> None:
         narrow.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "none", "timings_s": timings}]
         assert narrow._replica_mode("direct", cpu) == "interval" and narrow.stage2 is None
         assert narrow._replica_chooser.candidates == ["interval", "none"]
+    # where the layer is `traffic_bound`, a clear win of the replicas over "none" is carried over as well (only
+    # there, and only a clear one: what replicas save depends on the layout)
+    won = {"none": 0.25, "interval": 0.25 * (1.0 - DENSE_MARGIN) - 1e-6}
+    close = {"none": 0.25, "interval": 0.245}
+    for owners_priced, timings, carried in ((True, won, True), (True, close, False), (False, won, False)):
+        layer = core("auto")
+        layer.owner_moves_priced = owners_priced
+        layer.replica_history = [{"forward": 20, "schedule": "direct", "stage2": "interval", "timings_s": timings}]
+        assert layer._replica_mode("direct", cpu) == "interval"
+        assert layer._replica_chooser.candidates == (["interval"] if carried else ["interval", "none"])
+        assert (layer._replica_chooser.chosen == "interval") == carried  # carried over: decided, no trial
+
+
+def test_dense_ruled_out_for_a_layout_stays_ruled_out_at_the_hold_ratio() -> None:
+    """`LayerCore._model_pruning`: dense, which the model ruled out (2x the best) for the layout the kept schedule
+    was chosen on, stays ruled out on the next layout while predicted `RULED_OUT_HOLD_RATIO` times the best (its
+    traffic does not depend on the layout); without that, or below the ratio, only the 2x rule applies. The flag
+    follows the last modelled choice (`_note_dense_ruled_out`) and clears on a layer that kept dense."""
+    from ds_cobalt.runtime.layer import DENSE, RULED_OUT_HOLD_RATIO, LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    core = LayerCore.__new__(LayerCore)
+    core._dense_ruled_out = False
+    first = StepTimedChoice(["hierarchical", "direct", DENSE])
+    first.use_model({"hierarchical": 0.08, "direct": 0.14, DENSE: 0.22}, [DENSE])
+    core._note_dense_ruled_out(first, "hierarchical")
+    assert core._dense_ruled_out
+    fixed = 1e-3
+    later = {"hierarchical": 0.11, DENSE: 0.22 - 1e-6}  # 1.96x: under the 2x rule
+    assert LayerCore._model_pruning(core, later, fixed) == [DENSE]
+    below = {"hierarchical": 0.11, DENSE: 0.11 * RULED_OUT_HOLD_RATIO - 1e-6}
+    assert LayerCore._model_pruning(core, below, fixed) == []
+    assert LayerCore._model_pruning(core, later, 0.02) == []  # within 10 collectives' fixed cost
+    unmodelled = StepTimedChoice(["hierarchical", DENSE])  # a layout that came before the re-timing's model ran
+    core._note_dense_ruled_out(unmodelled, "hierarchical")
+    assert core._dense_ruled_out
+    timed = StepTimedChoice(["hierarchical", DENSE])
+    timed.use_model(later, [])
+    core._note_dense_ruled_out(timed, "hierarchical")
+    assert not core._dense_ruled_out and LayerCore._model_pruning(core, later, fixed) == []
+    core._dense_ruled_out = True
+    core._note_dense_ruled_out(first, DENSE)  # a layer on dense
+    assert not core._dense_ruled_out
