@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .kernel_cache import ensure_built
+
 _jit = njit(cache=True, nogil=True, error_model="numpy")  # numpy error model: no Python-style division checks
 
 
@@ -336,3 +338,6 @@ def cover_rows(rows, topk_TK, node_PK, holds_NE, src_node_T):  # noqa: ANN001, A
                     pend[k] = False
             new_nodes[p] += 1
     return new_nodes, before
+
+
+ensure_built(direct_counts)  # the cache is compiled whole by one process (kernel_cache)

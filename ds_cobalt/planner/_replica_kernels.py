@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .kernel_cache import ensure_built
+
 _jit = njit(cache=True, nogil=True, error_model="numpy")  # numpy error model: no Python-style division checks
 
 
@@ -461,3 +463,6 @@ def rep_toggle_copy(ptr_E, set_P, cnt_MSN, node_of_E, active_SE, s, e):  # noqa:
 def rep_copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e):  # noqa: ANN001, ANN201
     """One entry of `rep_copy_gains`."""
     return _copy_gain(ptr_E, set_P, cnt_MSN, w_M, node_of_E, active_SE, s, e) / active_SE.shape[0]
+
+
+ensure_built(_ind)  # the cache is compiled whole by one process (kernel_cache)

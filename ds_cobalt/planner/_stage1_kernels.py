@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .kernel_cache import ensure_built
+
 _jit = njit(cache=True, nogil=True, error_model="numpy")  # numpy error model: no Python-style division checks
 
 
@@ -397,3 +399,6 @@ def greedy_coact(load_E, coact_EE, N):  # noqa: ANN001, ANN201
             for j in range(E):
                 affinity[j] += coact_EE[pick, j]
     return node_of_E
+
+
+ensure_built(set_csr)  # the cache is compiled whole by one process (kernel_cache)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .kernel_cache import ensure_built
+
 _jit = njit(cache=True, nogil=True, error_model="numpy")  # numpy error model: no Python-style division checks
 
 
@@ -162,3 +164,6 @@ def pack_items(load_I, kind_I, idx_I, ids_I, n_owner, n_spare, G, R, num_ids):  
         used[g, ids_X[i]] = True
         n_out[g] += 1
     return out
+
+
+ensure_built(_stable_order)  # the cache is compiled whole by one process (kernel_cache)
