@@ -153,6 +153,12 @@ def _clearly_faster(mode: str, timings_s: dict[str, float], than: str | None = N
     return mode in timings_s and bool(others) and timings_s[mode] <= (1.0 - DENSE_MARGIN) * min(others)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread: a forward run then is a recomputation
+    (activation checkpointing, reentrant or not), which must repeat the original forward's choices."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class LayerCore:
     """Per-layer ds_cobalt state; see the module docstring for the protocol."""
 
@@ -196,7 +202,8 @@ class LayerCore:
         # `ScheduleGate`: the model's saving is material to the step (after step 1), so a plan before the trials may
         # move the owners
         self.owner_moves_priced = False
-        self.forwards = 0  # forward passes run (training and eval)
+        self.forwards = 0  # forward passes run (training and eval; a recomputation inside backward is not one)
+        self._last_run: tuple[str, str | None] | None = None  # (schedule, replica mode) of the last forward
         self.schedule_forwards: Counter[str] = Counter()  # forwards run on each transport schedule
         # every `auto` decision: the forward it came in (1-based) and the same fields as `schedule_summary`
         self.schedule_history: list[dict] = []
@@ -561,11 +568,15 @@ class LayerCore:
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
         gate gives them; computed here otherwise), for the `dense` schedule."""
         topo = self.topology
-        self.forwards += 1
-        if self._chooser.wants_model:
-            self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
-                                  capacity_is_local or locations_TK is None)
-        schedule = self._pick_schedule(x_TD.device, timed=training)
+        recompute = self._last_run is not None and _in_backward()
+        if recompute:  # activation checkpointing: the last forward again, with its choices, timing and counting nothing
+            schedule, replicas = self._last_run
+        else:
+            self.forwards += 1
+            if self._chooser.wants_model:
+                self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
+                                      capacity_is_local or locations_TK is None)
+            schedule = self._pick_schedule(x_TD.device, timed=training)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE:
             if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
@@ -573,19 +584,22 @@ class LayerCore:
                 capacity_is_local, padded_by_deepspeed = True, False
             capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
             if capacity is None:  # ranks hold different fixed capacities: dense is out for this layout
+                assert not recompute, "a recomputed forward sees the capacities of its forward"
                 self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
                 schedule = self._pick_schedule(x_TD.device, timed=training)
-        self.schedule_forwards[schedule] += 1
         flat = schedule in (DIRECT, DENSE)
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
-        replicas = self._replica_mode(schedule, x_TD.device, timed=training)
+        if not recompute:
+            self.schedule_forwards[schedule] += 1
+            replicas = self._replica_mode(schedule, x_TD.device, timed=training)
+            self._last_run = (schedule, replicas)
+            # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
+            self.stats.update(topk_ids_TK, planned=not self.settled_dense)
+            if self.trace_rows is not None:
+                self.trace_rows.append(topk_ids_TK.detach().cpu())
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
-        # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
-        self.stats.update(topk_ids_TK, planned=not self.settled_dense)
-        if self.trace_rows is not None:
-            self.trace_rows.append(topk_ids_TK.detach().cpu())
         if schedule == DENSE:
             slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
                                     None, groups, experts.owner_modules)
@@ -607,8 +621,9 @@ class LayerCore:
                                                 overlap=_Phased() if flat else self.settings.overlap,
                                                 tuner=self.tuner, backend=self.backend(x_TD.device),
                                                 capacity=(deepspeed_capacity, capacity_is_local),
-                                                spares=self._spares if replicas == "step" else None)
-            if fill is not None:
+                                                spares=self._spares if replicas == "step" else None,
+                                                replay=recompute)
+            if fill is not None and not recompute:
                 self.balance.add(fill)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         G = topo.ranks_per_node

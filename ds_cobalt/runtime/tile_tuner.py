@@ -15,7 +15,7 @@ sender and receiver must cut rows into the same tiles and chunks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -97,6 +97,7 @@ class OverlapTuner:
         self.tiles = TileTuner()
         self.chunks = ChoiceTuner(RAIL_CHUNK_CANDIDATES)
         self.mode = ChoiceTuner((1, 0))  # 1: overlapped, 0: phased
+        self._last: OverlapChoice | None = None
 
     def settings(self, row_bytes: int, tile_rows: int | str, rail_chunks: int | str,
                  enabled: bool | str = True) -> OverlapChoice:
@@ -118,7 +119,14 @@ class OverlapTuner:
             if timing is None:
                 overlap = bool(self.mode.value())
                 timing = None if self.mode.chosen is not None else self.mode
-        return OverlapChoice(overlap, int(tile_rows), int(rail_chunks), timing)
+        self._last = OverlapChoice(overlap, int(tile_rows), int(rail_chunks), timing)
+        return self._last
+
+    def replay(self) -> OverlapChoice:
+        """The settings of the last forward again, timing nothing: its recomputation inside backward (activation
+        checkpointing) must cut the same tiles and chunks."""
+        assert self._last is not None, "replay before any forward"
+        return replace(self._last, timed=None)
 
     def chosen(self) -> dict[str, int | None]:
         return {"tile_rows": self.tiles.chosen, "rail_chunks": self.chunks.chosen, "overlap": self.mode.chosen}
