@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-cobalt", action="store_true", help="plain AutoEP: no CobaltCallback, no 'cobalt' section"
     )
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the Trainer's activation checkpointing (transformers' default: non-reentrant)")
     p.add_argument("--report-to", default="none", help="Trainer reporters, e.g. tensorboard (default: none)")
     p.add_argument("--output-dir", default=None, help="Trainer output dir (default: a temporary one)")
     p.add_argument(
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         save_only_model=False, report_to=args.report_to, seed=args.seed, data_seed=args.seed,
-        dataloader_num_workers=0, disable_tqdm=True,
+        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=args.gradient_checkpointing,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
     # What rank 0's forward returned, unrounded (the logs round to 4 decimals). The Trainer divides by the token
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         report = {
             "model": args.model, "cobalt": not args.no_cobalt, "world_size": world, "steps": args.steps,
+            "gradient_checkpointing": args.gradient_checkpointing,
             "losses": [row["loss"] for row in history], "exact_losses": exact_losses,
             "train_loss": result.training_loss,
             "cobalt_metrics": cobalt,
