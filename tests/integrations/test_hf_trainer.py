@@ -130,7 +130,8 @@ def _launch_example(tmp_path: Path, name: str, config: Path, *extra: str) -> dic
 @pytest.mark.slow
 def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     """Plain AutoEP vs AutoEP + CobaltCallback (replanning, migrations, overlap, a Trainer checkpoint in the
-    middle), both through the real Trainer and `deepspeed` launcher: same unrounded losses (1e-5)."""
+    middle, then the default section with the Trainer's gradient checkpointing), all through the real Trainer and
+    `deepspeed` launcher: same unrounded losses (1e-5)."""
     template = json.loads((REPO_ROOT / "ds_config_templates" / "hf_autoep_cpu.json").read_text())
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({**template, "cobalt": FULL_COBALT}))
@@ -158,3 +159,10 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
                               str(tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}"))
     assert resumed["exact_losses"] == m["exact_losses"][STEPS // 2:]
     assert sum(resumed["cobalt_metrics"]["cobalt/migrations"]) >= 1  # the re-planner went on migrating
+    # the Trainer's activation checkpointing (transformers' default form, non-reentrant) under the template's bare
+    # section: each decoder layer's recomputation repeats its forward's schedule (it failed with "Recomputed values
+    # ... have different metadata" when it picked another one)
+    bare = REPO_ROOT / "ds_config_templates" / "hf_autoep_cpu.json"
+    checkpointed = _launch_example(tmp_path, "checkpointed", bare, "--gradient-checkpointing")
+    assert checkpointed["gradient_checkpointing"] is True
+    np.testing.assert_allclose(checkpointed["exact_losses"], plain["exact_losses"], rtol=0, atol=1e-5)
