@@ -159,6 +159,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _lazy_recompute_active() -> bool:
+    """Whether this forward runs under non-reentrant activation checkpointing (`torch.utils.checkpoint(...,
+    use_reentrant=False)`, transformers' default gradient checkpointing), whose recomputation starts lazily from
+    inside backward, wherever a saved tensor is first needed."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
 class LayerCore:
     """Per-layer ds_cobalt state; see the module docstring for the protocol."""
 
@@ -588,6 +596,13 @@ class LayerCore:
                 self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
                 schedule = self._pick_schedule(x_TD.device, timed=training)
         flat = schedule in (DIRECT, DENSE)
+        if not flat and self.settings.overlap.enabled and not recompute and _lazy_recompute_active():
+            raise ValueError(
+                f"cobalt.overlap.enabled={self.settings.overlap.enabled!r} does not work under non-reentrant "
+                "activation checkpointing (torch.utils.checkpoint(..., use_reentrant=False), transformers' default "
+                "gradient checkpointing): its recomputation would start inside the overlapped backward's exchanges "
+                "at points that differ between ranks. Set cobalt.overlap.enabled to false, or checkpoint with "
+                "use_reentrant=True (gradient_checkpointing_kwargs={'use_reentrant': True}, deepspeed.checkpointing)")
         groups = self._flat_groups if flat else self.groups
         placement = self._flat_placement if flat else self.placement
         if not recompute:

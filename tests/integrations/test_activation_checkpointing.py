@@ -72,14 +72,20 @@ def test_checkpointed_auto_runs_as_without(run_ranks) -> None:
 def _overlap_body(rank: int, world: int) -> dict:
     tuned = {"transport": {"schedule": "hierarchical"}, "planner": {"replan_interval": 0},
              "overlap": {"enabled": "auto", "tile_rows": "auto", "rail_chunks": "auto"}}
-    return {"cobalt": _run("cobalt", "reentrant", tuned), "deepspeed": _run("deepspeed", "reentrant", {})}
+    out = {"cobalt": _run("cobalt", "reentrant", tuned), "deepspeed": _run("deepspeed", "reentrant", {})}
+    try:
+        _run("cobalt", "non_reentrant", tuned)
+    except ValueError as e:  # every rank, in its first forward
+        out["non_reentrant_error"] = str(e)
+    return out
 
 
 def test_checkpointed_overlap_tuning_replays_its_settings(run_ranks) -> None:
     """The overlap tuner times tile sizes, rail chunks and overlapped against phased over the first forwards; each
     recomputation cuts the tiles and chunks of its own forward. Reentrant checkpointing only (DeepSpeed's
     `deepspeed.checkpointing` is reentrant): the non-reentrant form recomputes lazily, from inside the overlapped
-    backward's per-tile exchanges, at points that differ between ranks (README, Known limits)."""
+    backward's per-tile exchanges, at points that differ between ranks (README, Known limits): it is an error that
+    names the key, raised on every rank in the first forward."""
     import numpy as np
 
     for out in run_ranks(_overlap_body, 4, ranks_per_node=2, timeout=300):
@@ -88,6 +94,7 @@ def test_checkpointed_overlap_tuning_replays_its_settings(run_ranks) -> None:
         assert cobalt["forwards"] == [STEPS, STEPS]
         assert cobalt["schedule_forwards"] == [{"hierarchical": STEPS}] * 2
         assert all(chosen["tile_rows"] is not None for chosen in cobalt["overlap"]), cobalt["overlap"]
+        assert "cobalt.overlap.enabled='auto' does not work under non-reentrant" in out["non_reentrant_error"]
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
