@@ -114,3 +114,27 @@ def test_in_backward_sees_the_recomputation(use_reentrant: bool) -> None:
     x = torch.ones(3, requires_grad=True)
     tc.checkpoint(body, x, use_reentrant=use_reentrant).sum().backward()
     assert seen == [False, True] and not _in_backward()
+
+
+def test_lazy_recompute_seen_only_under_the_non_reentrant_form() -> None:
+    """`layer._lazy_recompute_active`: true in a forward under `use_reentrant=False` only (not in a plain forward,
+    the reentrant form, or activations offloaded to the host without checkpointing)."""
+    import torch
+    import torch.utils.checkpoint as tc
+
+    from ds_cobalt.runtime.layer import _lazy_recompute_active
+
+    seen = []
+
+    def body(x):
+        seen.append(_lazy_recompute_active())
+        return (x * x).sin()
+
+    x = torch.ones(3, requires_grad=True)
+    body(x)
+    tc.checkpoint(body, x, use_reentrant=True).sum().backward()
+    with torch.autograd.graph.save_on_cpu():
+        body(x)
+    first = len(seen)
+    tc.checkpoint(body, x, use_reentrant=False).sum().backward()
+    assert seen[:first] == [False] * first and seen[first] is True
