@@ -86,10 +86,11 @@ def ensure_built(dispatcher: Any) -> None:
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        writable = (directory / LOCK_NAME).touch() is None
-    except OSError:
-        writable = False
-    if writable and not _stamp_holds(directory):
+        (directory / LOCK_NAME).touch()
+    except OSError:  # not writable: numba cannot cache there either, each process compiles in memory
+        _checked.add(str(directory))
+        return
+    if not _stamp_holds(directory):
         with _locked(directory):
             if not _stamp_holds(directory):  # another process may have built it while this one waited
                 _build(directory)
