@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -104,8 +105,11 @@ def _build(directory: Path) -> None:
     (directory / STAMP_NAME).unlink(missing_ok=True)
     print(f"[ds_cobalt] compiling the planner's kernels into {directory} (once per install, about 20-30 s)",
           file=sys.stderr, flush=True)
+    # the child imports this copy of the package, also where only the parent's sys.path reached it
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "ds_cobalt.planner.kernel_build"], capture_output=True,
-                          text=True, timeout=BUILD_TIMEOUT_S)
+                          text=True, timeout=BUILD_TIMEOUT_S, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"compiling the planner's numba kernels failed (exit code {done.returncode}; cache "
                            f"{directory}):\n{(done.stdout + done.stderr)[-3000:]}")

@@ -102,6 +102,7 @@ def test_stale_stamp_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     def fake_build(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
         builds.append(cmd)
+        assert kwargs["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)  # the child imports this copy
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(kernel_cache.subprocess, "run", fake_build)
