@@ -18,6 +18,7 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
   c  cobalt-placement   ds_cobalt + online placement and replicas (`cobalt.planner`, migrations with
                         optimizer state)
   d  cobalt-placement-overlap   (c) + fine-grained overlap (`cobalt.overlap`)
+  (opt-in) cobalt-placement-overlap-pinned   (d) with `transport.schedule: "hierarchical"` (always overlapped)
   (opt-in) cobalt-placement-overlap-auto   (c) + `overlap.enabled: "auto"`: tuned tiles and rail chunks,
                         then overlapped or phased, whichever forward is faster
 One `benchmarks/cluster/run_cluster.sh` job per (model, rate, variant), one after the other (2 cores). Each writes
@@ -65,6 +66,10 @@ VARIANTS = {
     "cobalt-placement-overlap-auto": {"impl": "cobalt", "cobalt": {  # not run by default
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
         "overlap": {"enabled": "auto", "rail_chunks": "auto"},
+    }},
+    "cobalt-placement-overlap-pinned": {"impl": "cobalt", "cobalt": {  # (d) with hierarchical pinned: no dense
+        "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
+        "overlap": {"enabled": True}, "transport": {"schedule": "hierarchical"},
     }},
 }
 

@@ -170,7 +170,9 @@ class OverlapConfig(_Section):
     the relays compute each chunk while the next one travels and each chunk's results start back as soon as
     they are ready (1: one transfer each way; `"auto"`: 1, 2 or 4, whichever forward is fastest, tried after
     the tile size is settled). `enabled: "auto"`: after that, one forward overlapped and one phased, and the
-    faster schedule stays (the overlap costs CPU cycles where compute dominates)."""
+    faster schedule stays (the overlap costs CPU cycles where compute dominates). With `transport.schedule: "auto"`
+    this tuning starts once the layer keeps the hierarchical schedule; during the schedule's trials the overlapped
+    candidate runs the guesses (docs/runtime.md)."""
 
     enabled: bool | Literal["auto"] = False
     tile_rows: int | Literal["auto"] = "auto"
@@ -208,7 +210,8 @@ class TransportConfig(_Section):
     owner layout (DeepSpeed's bytes and calls, no replicas). `auto` (default): whichever trains faster here,
     measured on the layer's first steps (from its forward to the end of the optimizer step) and re-measured after
     each layout change; all ranks agree through one all-reduce. The overlapped schedule is hierarchical: with
-    `overlap.enabled` on, `auto` means `hierarchical`. Side by side on the 2 x 2 CPU testbed `auto` kept dense on
+    `overlap.enabled` on, `auto`'s hierarchical candidate runs overlapped (the overlap settings are tuned once it is
+    kept), and dense stays a candidate. Side by side on the 2 x 2 CPU testbed `auto` kept dense on
     fast links (0.98x DeepSpeed) and hierarchical at 100 Mbit/s (1.48x) (README, docs/runtime.md)."""
 
     schedule: Literal["auto", "hierarchical", "direct", "dense"] = "auto"

@@ -365,9 +365,10 @@ class LayerCore:
         if wanted != "auto":
             return [HIERARCHICAL if wanted in without else wanted]
         topo = self.topology
-        if self.settings.overlap.enabled:
-            candidates = [HIERARCHICAL]  # the overlapped schedule is hierarchical
-        elif topo.world_size == 1:
+        # with `overlap.enabled` the hierarchical candidate runs overlapped (or, with "auto", overlapped or phased,
+        # whichever forward the tuner measures faster once hierarchical is kept): dense stays a candidate, so
+        # turning overlap on never keeps a layer slower than DeepSpeed's exchange
+        if topo.world_size == 1:
             # nothing to send: DeepSpeed's own computation is the least work (one H200, T=4096: dense 1.2x
             # DeepSpeed's layer time, hierarchical 1.8x; docs/kernels.md)
             candidates = [DENSE]
@@ -378,6 +379,13 @@ class LayerCore:
         if previous in candidates:
             candidates = [c for c in candidates if c in (previous, DENSE)]
         return [c for c in candidates if c not in without]
+
+    def _may_overlap(self) -> bool:
+        """Whether this layer may run the overlapped schedule: overlap on, and hierarchical pinned or among
+        `auto`'s candidates (checked in every forward, so an error about it comes in the first one)."""
+        wanted = self.settings.transport.schedule
+        return bool(self.settings.overlap.enabled) and (
+            wanted == HIERARCHICAL or (wanted == "auto" and HIERARCHICAL in self._schedule_candidates()))
 
     def restart_trials(self) -> None:
         """Start `auto`'s first trials again on the current layout (one warm-up step). The replanner calls it for
@@ -596,7 +604,7 @@ class LayerCore:
                 self._chooser = self._schedule_chooser(self._schedule_candidates(without=(DENSE,)))
                 schedule = self._pick_schedule(x_TD.device, timed=training)
         flat = schedule in (DIRECT, DENSE)
-        if not flat and self.settings.overlap.enabled and not recompute and _lazy_recompute_active():
+        if self._may_overlap() and not recompute and _lazy_recompute_active():
             raise ValueError(
                 f"cobalt.overlap.enabled={self.settings.overlap.enabled!r} does not work under non-reentrant "
                 "activation checkpointing (torch.utils.checkpoint(..., use_reentrant=False), transformers' default "
@@ -637,7 +645,10 @@ class LayerCore:
                                                 tuner=self.tuner, backend=self.backend(x_TD.device),
                                                 capacity=(deepspeed_capacity, capacity_is_local),
                                                 spares=self._spares if replicas == "step" else None,
-                                                replay=recompute)
+                                                replay=recompute,
+                                                # the overlap tuner times forwards once the schedule is kept: trial
+                                                # steps of `auto` run its settings so far (else its guesses)
+                                                tune=training and self._chooser.chosen is not None)
             if fill is not None and not recompute:
                 self.balance.add(fill)
         row_bytes = x_TD.shape[1] * x_TD.element_size()

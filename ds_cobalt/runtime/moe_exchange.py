@@ -76,19 +76,20 @@ def moe_exchange(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torc
                  placement: LayerPlacement, groups: EPGroups, slots_for: SlotsFor, *,
                  overlap: OverlapSettings, tuner: OverlapTuner, backend: str,
                  capacity: tuple[torch.Tensor | int, bool] = (0, False), spares: NodeSpares | None = None,
-                 replay: bool = False) -> tuple[torch.Tensor, ExchangeCounts, StepFill | None]:
+                 replay: bool = False, tune: bool = True) -> tuple[torch.Tensor, ExchangeCounts, StepFill | None]:
     """`[T, D]` combined expert outputs (router weights applied), the exchange's split sizes and this forward's
     refill (None without `spares` or with the overlapped schedule, which keeps the layout's replicas).
 
     `"auto"` overlap settings let `tuner` pick them from a few timed forwards. `capacity`: DeepSpeed's
     capacity for the counters and whether it is this rank's value (the largest over the group is wanted).
-    `replay`: the recomputation of the last forward (activation checkpointing) runs its overlap settings again."""
+    `replay`: the recomputation of the last forward (activation checkpointing) runs its overlap settings again.
+    `tune=False`: the `"auto"` settings run what `tuner` has chosen so far (else its guesses), timing nothing."""
     choice = None
     if overlap.enabled and replay:
         choice = tuner.replay()
     elif overlap.enabled:
         choice = tuner.settings(x_TD.shape[1] * x_TD.element_size(), overlap.tile_rows, overlap.rail_chunks,
-                                overlap.enabled)
+                                overlap.enabled, tune)
     timed = choice.timed if choice is not None else None
     started = timed.start(x_TD.device) if timed is not None else None
     fill = None

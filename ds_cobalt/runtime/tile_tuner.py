@@ -100,8 +100,12 @@ class OverlapTuner:
         self._last: OverlapChoice | None = None
 
     def settings(self, row_bytes: int, tile_rows: int | str, rail_chunks: int | str,
-                 enabled: bool | str = True) -> OverlapChoice:
-        """What this forward runs with, for the configured values; at most one tuner is on trial at a time."""
+                 enabled: bool | str = True, tune: bool = True) -> OverlapChoice:
+        """What this forward runs with, for the configured values; at most one tuner is on trial at a time.
+        `tune=False` (the schedule itself is on trial, or an eval forward): what is chosen so far, else the guesses
+        (the cost model's tile size, `RAIL_CHUNKS_GUESS`, overlapped), timing nothing and advancing no trial."""
+        if not tune:
+            return self._untuned(row_bytes, tile_rows, rail_chunks, enabled)
         timing: ChoiceTuner | None = None
         if tile_rows == "auto":
             tile_rows = self.tiles.tile_rows(row_bytes)
@@ -120,6 +124,16 @@ class OverlapTuner:
                 overlap = bool(self.mode.value())
                 timing = None if self.mode.chosen is not None else self.mode
         self._last = OverlapChoice(overlap, int(tile_rows), int(rail_chunks), timing)
+        return self._last
+
+    def _untuned(self, row_bytes: int, tile_rows: int | str, rail_chunks: int | str,
+                 enabled: bool | str) -> OverlapChoice:
+        if tile_rows == "auto":
+            tile_rows = self.tiles.chosen if self.tiles.chosen is not None else guess_tile_rows(row_bytes)
+        if rail_chunks == "auto":
+            rail_chunks = self.chunks.chosen if self.chunks.chosen is not None else RAIL_CHUNKS_GUESS
+        overlap = bool(self.mode.chosen) if enabled == "auto" and self.mode.chosen is not None else bool(enabled)
+        self._last = OverlapChoice(overlap, int(tile_rows), int(rail_chunks), None)
         return self._last
 
     def replay(self) -> OverlapChoice:

@@ -84,7 +84,8 @@ MIGRATING = {  # replanning with replicas, forced random owner migrations
 # differences) and top-k routing (a near-tie flips) amplify that into 1e-3 loss differences after 15-20 steps
 # here, so the overlapped run is held to 1e-5 over fewer steps
 # (the layer itself: tests/integrations/test_moe_parity.py).
-OVERLAP = {"topology": {"ranks_per_node": 2}, "overlap": {"enabled": True, "tile_rows": 16, "rail_chunks": 2}}
+OVERLAP = {"topology": {"ranks_per_node": 2}, "overlap": {"enabled": True, "tile_rows": 16, "rail_chunks": 2},
+           "transport": {"schedule": "hierarchical"}}  # the overlapped schedule itself (`auto` may keep dense here)
 OVERLAP_STEPS = 8
 # Replicas split an expert's weight gradient into partial GEMMs, whose fp32 rounding depends on the CPU's kernels
 # (AVX2 against AVX-512): on an AVX-512 machine a near-tied top-2 choice of the mixtral run flips at step 18 and

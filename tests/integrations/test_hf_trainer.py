@@ -104,6 +104,7 @@ FULL_COBALT = {  # everything on, so the Trainer path exercises it: replanning w
     "planner": {"replan_interval": 4, "redundant_slots": 1, "apply_lag": 1},
     "migration": {"ignore_cost_model": True},
     "overlap": {"enabled": True, "tile_rows": 64},
+    "transport": {"schedule": "hierarchical"},  # the overlapped schedule itself (`auto` may keep dense here)
 }
 
 
