@@ -525,9 +525,12 @@ class LayerCore:
         step refills them in the hierarchical schedule only; "none" is timed with `planner.stage2: "auto"`, since
         each replica costs a weight fetch and a gradient return every step, which on fast links can cost more
         than its traffic saves (fine-grained model at 1 Gbit/s: 1.04x DeepSpeed with one spare slot, 1.19x
-        without, side by side). The overlapped schedule keeps the layout's replicas."""
+        without, side by side). The overlapped schedule keeps the layout's replicas (with `overlap.enabled: "auto"`:
+        where the tuner kept it)."""
         stage2 = self.settings.planner.stage2
-        overlapped = schedule == HIERARCHICAL and self.settings.overlap.enabled is True
+        enabled = self.settings.overlap.enabled
+        overlapped = schedule == HIERARCHICAL and (enabled is True or
+                                                   (enabled == "auto" and self.tuner.mode.chosen == 1))
         if schedule == DENSE or self._bare is None or overlapped:
             return []
         filled = self._bare[0] is not self._placement
@@ -688,6 +691,8 @@ class LayerCore:
         forward, which takes the mode chosen or the leading one and times nothing)."""
         if self._chooser.chosen is None:
             return "step" if "step" in self.replica_modes(schedule) else None
+        if schedule == HIERARCHICAL and self.settings.overlap.enabled == "auto" and self.tuner.mode.chosen is None:
+            return None  # the overlap tuner's forward trials first: which modes there are depends on its choice
         if self._replica_schedule != schedule:
             modes = self.replica_modes(schedule)
             last = next((h for h in reversed(self.replica_history) if h["schedule"] == schedule), None)

@@ -79,14 +79,15 @@ def _shape(metrics: dict) -> ModelShape:
 
 def sim_variant(impl: str, metrics: dict) -> str:
     """The simulator variant of an e2e run folder's variant: its transport schedule (the one `auto` chose, from
-    the run's metrics), overlapped or not."""
+    the run's metrics), overlapped where the variant turns overlap on and the schedule is hierarchical (with
+    overlap on, `auto` may keep dense or direct, which run phased)."""
     if impl == "deepspeed":
         return "deepspeed"
-    if "overlap" in impl:
-        return "cobalt-overlap"
     chosen = [s for s in metrics.get("transport_schedules") or [] if s]
     schedule = chosen[0] if chosen else "direct" if impl.endswith("direct") else "dense" if impl.endswith("dense") \
         else "hierarchical"
+    if schedule == "hierarchical" and "overlap" in impl:
+        return "cobalt-overlap"
     return {"hierarchical": "cobalt", "direct": "cobalt-direct", "dense": "cobalt-dense"}.get(schedule, "cobalt")
 
 

@@ -168,3 +168,17 @@ def test_calibrated_ratios_match_default_config_runs_with_migrations(tmp_path):
         f.write_text(json.dumps(metrics))
     contiguous = {r["rate"]: r["rel_error"] for r in compare_runs(tmp_path / "runs", hw)["ratios"]}
     assert abs(contiguous["100mbit"]) > 0.15 > abs(error["100mbit"])
+
+
+def test_compare_prices_the_schedule_each_variant_ran():
+    """A variant with overlap on is priced overlapped only where it ran hierarchical: with `transport.schedule`
+    "auto" it may keep dense or direct (phased), as the run's metrics record."""
+    from ds_cobalt.sim.report_compare import sim_variant
+
+    overlap = "cobalt-placement-overlap"
+    assert sim_variant("deepspeed", {}) == "deepspeed"
+    assert sim_variant(overlap, {"transport_schedules": ["hierarchical", "hierarchical"]}) == "cobalt-overlap"
+    assert sim_variant(overlap, {"transport_schedules": ["dense", "dense"]}) == "cobalt-dense"
+    assert sim_variant(overlap, {}) == "cobalt-overlap"  # metrics from before the schedule was recorded
+    assert sim_variant("cobalt", {"transport_schedules": [None, "direct"]}) == "cobalt-direct"
+    assert sim_variant("cobalt-dense", {}) == "cobalt-dense"
