@@ -71,10 +71,11 @@ def schedule_summary(model: torch.nn.Module) -> list[dict]:
     layout (None: no spare slot, or `planner.stage2: "auto"` still timing); `history`: every decision so far
     (`forward`: the layer's forward, 1-based, that it came in; `schedule`, `timings_s`, `model` as above; a dense
     choice made without trials adds `untimed_saving_share`); `stage2_history`: every timed `stage2` choice
-    (`forward`, `schedule`, `stage2`, `timings_s`)."""
+    (`forward`, `schedule`, `stage2`, `timings_s`); `overlap`: with `overlap.enabled` on, the settings the
+    hierarchical schedule runs with (`LayerCore.overlap_settings`), else None."""
     return [{"layer": i, "schedule": core.schedule, "timings_s": core.schedule_timings, "model": core.schedule_model,
              "stage2": core.stage2, "history": list(core.schedule_history),
-             "stage2_history": list(core.replica_history)}
+             "stage2_history": list(core.replica_history), "overlap": core.overlap_settings}
             for i, core in enumerate(layer_cores(model))]
 
 

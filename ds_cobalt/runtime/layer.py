@@ -542,6 +542,20 @@ class LayerCore:
         return modes
 
     @property
+    def overlap_settings(self) -> dict | None:
+        """With `overlap.enabled` on: what the hierarchical schedule runs with, `overlapped` (False: phased),
+        `tile_rows` and `rail_chunks`, each the configured value or the tuner's choice (None while not chosen yet);
+        else None."""
+        overlap = self.settings.overlap
+        if not overlap.enabled:
+            return None
+        chosen = self.tuner.chosen()
+        mode = True if overlap.enabled is True else None if chosen["overlap"] is None else bool(chosen["overlap"])
+        return {"overlapped": mode,
+                "tile_rows": chosen["tile_rows"] if overlap.tile_rows == "auto" else overlap.tile_rows,
+                "rail_chunks": chosen["rail_chunks"] if overlap.rail_chunks == "auto" else overlap.rail_chunks}
+
+    @property
     def schedule_timings(self) -> dict[str, float]:
         """Median step seconds per candidate of the last `auto` decision (slowest rank; a candidate dropped after
         the first round: its one timed step), empty before one."""

@@ -96,7 +96,7 @@ def test_monitor_hook_writes_schedule_decisions_and_traffic() -> None:
                                                          "model": {}, "stage2": None, "history": [
                                                              {"forward": 1, "schedule": "dense",
                                                               "timings_s": {}, "model": {}}],
-                                                         "stage2_history": []}]
+                                                         "stage2_history": [], "overlap": None}]
 
 
 def _default_body(rank: int, world: int) -> dict:

@@ -18,6 +18,7 @@ def _run(impl: str, fastest: str | None) -> dict:
     import numpy as np
     from test_migration import build_engine, train
 
+    import ds_cobalt
     from ds_cobalt.integrations.layers import layer_cores
     from ds_cobalt.runtime import tile_tuner
 
@@ -46,7 +47,7 @@ def _run(impl: str, fastest: str | None) -> dict:
         cores = layer_cores(engine)
         out |= {"history": [[(h["schedule"], sorted(h["timings_s"])) for h in c.schedule_history] for c in cores],
                 "schedule_forwards": [dict(c.schedule_forwards) for c in cores],
-}
+                "summary": [layer["overlap"] for layer in ds_cobalt.schedule_summary(engine)]}
         tile_tuner.StepTimedChoice._close = close
     engine.destroy()
     return out
@@ -77,4 +78,9 @@ def test_overlap_joins_auto_and_tunes_once_hierarchical_is_kept(run_ranks) -> No
         assert all(None not in chosen.values() for _, _, chosen, _ in last), last
         # phased kept: stage 2 every step and no replicas were timed after it; overlapped kept: nothing to time
         assert all(decisions == (chosen["overlap"] == 0) for _, _, chosen, decisions in last), last
+        # `ds_cobalt.schedule_summary` shows what the hierarchical schedule runs with (None: not chosen yet)
+        assert out["hierarchical"]["summary"] == [
+            {"overlapped": bool(chosen["overlap"]), "tile_rows": chosen["tile_rows"],
+             "rail_chunks": chosen["rail_chunks"]} for _, _, chosen, _ in last]
+        assert out["dense"]["summary"] == [{"overlapped": None, "tile_rows": None, "rail_chunks": None}] * 2
         assert all("hierarchical" in f and "dense" in f for f in out["dense"]["schedule_forwards"])
