@@ -32,6 +32,17 @@ from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder  # noqa
 from ds_cobalt.runtime.comm import all_reduce_host, collective_device  # noqa: E402 (NCCL moves no host tensors)
 
 
+def _schedule_shown(schedule: str | None, overlap: dict | None) -> str:
+    """A layer's schedule for the report; the hierarchical one with overlap on says how it runs (the tuner's choice,
+    `ds_cobalt.schedule_summary`'s `overlap`)."""
+    if schedule is None:
+        return "undecided"
+    if schedule != "hierarchical" or overlap is None:
+        return schedule
+    mode = {True: "overlapped", False: "phased", None: "overlap being tuned"}[overlap["overlapped"]]
+    return f"{schedule} ({mode})"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import deepspeed
 
@@ -279,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             untimed = [row["history"][0].get("untimed_saving_share") for row in decisions if row.get("history")]
             why = (f"; kept without trials: the cost model's saving over dense is {100 * max(untimed):.1f} % of a "
                    "step" if untimed and None not in untimed else "")
-            print(f"transport schedule    {', '.join(s or 'undecided' for s in schedules)} (per MoE layer{why})")
+            shown = [_schedule_shown(s, row.get("overlap")) for s, row in zip(schedules, decisions)]
+            print(f"transport schedule    {', '.join(shown)} (per MoE layer{why})")
         if padded:
             print(
                 f"ratio vs DeepSpeed    {sent / padded:.3f} of padded, {sent / max(dropless, 1):.3f} of dropless"
