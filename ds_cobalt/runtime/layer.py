@@ -528,9 +528,7 @@ class LayerCore:
         without, side by side). The overlapped schedule keeps the layout's replicas (with `overlap.enabled: "auto"`:
         where the tuner kept it)."""
         stage2 = self.settings.planner.stage2
-        enabled = self.settings.overlap.enabled
-        overlapped = schedule == HIERARCHICAL and (enabled is True or
-                                                   (enabled == "auto" and self.tuner.mode.chosen == 1))
+        overlapped = schedule == HIERARCHICAL and (self.overlap_settings or {}).get("overlapped") is True
         if schedule == DENSE or self._bare is None or overlapped:
             return []
         filled = self._bare[0] is not self._placement
@@ -705,7 +703,7 @@ class LayerCore:
         forward, which takes the mode chosen or the leading one and times nothing)."""
         if self._chooser.chosen is None:
             return "step" if "step" in self.replica_modes(schedule) else None
-        if schedule == HIERARCHICAL and self.settings.overlap.enabled == "auto" and self.tuner.mode.chosen is None:
+        if schedule == HIERARCHICAL and (self.overlap_settings or {}).get("overlapped", False) is None:
             return None  # the overlap tuner's forward trials first: which modes there are depends on its choice
         if self._replica_schedule != schedule:
             modes = self.replica_modes(schedule)
