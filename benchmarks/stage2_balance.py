@@ -5,8 +5,8 @@
 Each trace is replayed step by step (`ds_cobalt.sim.replay`, what `ds-cobalt simulate --replay --stage2 MODE`
 runs), re-planned every `--replan-interval` steps (owners move when the migration cost model says so), from two
 starts with one spare slot per GPU: DeepSpeed's contiguous owners with empty spare slots, and a `cobalt` layout
-planned on the first step's tokens (its spare slots hold cross-node traffic copies, which stage 2 keeps). Once
-per stage 2 mode, in this one run:
+planned on the first step's tokens of every source rank (its spare slots hold cross-node traffic copies, which
+stage 2 keeps). Once per stage 2 mode, in this one run:
 - `step`: each node refills its spare slots from the step's own loads (the runtime's default);
 - `predicted`: refilled every step from the averaged statistics;
 - `interval`: the re-plan's replicas stay until the next re-plan.
@@ -24,7 +24,7 @@ import numpy as np
 from ds_cobalt.planner.layout import Layout, contiguous_layout
 from ds_cobalt.planner.policies import plan_layout
 from ds_cobalt.planner.trace import load_trace
-from ds_cobalt.sim.replay import STAGE2_MODES, replay
+from ds_cobalt.sim.replay import STAGE2_MODES, replay, step_tokens
 from ds_cobalt.sim.synth import synth_trace
 
 RECORDED = "benchmarks/traces/stdlib_lm_e16_k4_steps290-300.npz:2:2"
@@ -62,7 +62,9 @@ def main() -> None:
         E = trace.num_experts
         contiguous = contiguous_layout(E, N, G).layer(0)
         empty_spare = np.concatenate([contiguous, np.full((N * G, 1), -1)], 1)
-        first = trace.select_tokens(np.arange(trace.num_tokens // args.steps))
+        # the first step of every source rank, as a re-plan after step 1 samples it (the first tokens in trace
+        # order are the first source ranks' only where the trace is ordered by rank, as a recorded one is)
+        first = trace.select_tokens(step_tokens(trace.source_ranks(N * G), N * G, args.steps)[0])
         starts = {"contiguous": Layout(E, N, G, np.repeat(empty_spare[None], trace.num_layers, 0)),
                   "cobalt": plan_layout(first, N, G, 1, "cobalt")}
         for start_name, layout in starts.items():

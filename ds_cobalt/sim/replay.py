@@ -29,7 +29,7 @@ from ..planner.stats import RoutingStats
 from ..planner.trace import Trace
 from .metrics import check_compatible, layer_metrics, mean_metrics
 
-__all__ = ["replay", "refresh_spares", "refilled_gpu_loads", "STAGE2_MODES"]
+__all__ = ["replay", "refresh_spares", "refilled_gpu_loads", "step_tokens", "STAGE2_MODES"]
 
 STAGE2_MODES = ("step", "predicted", "interval")
 
@@ -69,7 +69,7 @@ def replay(
     E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
     W = N * G
     src_T = trace.source_ranks(W)
-    step_tokens = _step_tokens(src_T, W, steps)
+    chunks = step_tokens(src_T, W, steps)
     per_layer, replans, migrations, step_gpu, step_node = [], 0, 0, [], []
     for layer in range(trace.num_layers):
         topk_LTK = trace.experts_LTK[layer]
@@ -79,7 +79,7 @@ def replay(
         window: list[np.ndarray] = []
         rows = []
         for step in range(steps):
-            chunk = step_tokens[step]
+            chunk = chunks[step]
             if step and step % replan_interval == 0:
                 # Stage 1 + 2 from the averaged statistics, sampled on the last interval's tokens.
                 recent = np.concatenate(window[-replan_interval:])
@@ -117,7 +117,7 @@ def replay(
             "step_node_load_max_over_mean_median": float(np.median(step_node))}
 
 
-def _step_tokens(src_T: np.ndarray, world_size: int, steps: int) -> list[np.ndarray]:
+def step_tokens(src_T: np.ndarray, world_size: int, steps: int) -> list[np.ndarray]:
     """Token indices of each step: the s-th of `steps` equal consecutive chunks of every source rank's tokens."""
     per_rank = [np.nonzero(src_T == r)[0] for r in range(world_size)]
     cuts = [np.linspace(0, idx.size, steps + 1).astype(np.int64) for idx in per_rank]
