@@ -9,7 +9,7 @@ same state), so `isinstance(engine, DeepSpeedEngine)` still holds. A subclass of
   (`schedule_gate.py`), the replanner, DeepSpeed's monitor
   (TensorBoard / CSV / W&B: schedule decisions, traffic counters every `traffic.log_interval` steps);
 - `save_checkpoint` / `load_checkpoint`: logical expert order and portable state (`checkpoint.py`), as
-  configured under `cobalt.migration`; a pending migration is committed before a save.
+  configured under `cobalt.migration`; a pending migration is committed before a save or a load.
 """
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ class CobaltEngine(DeepSpeedEngine):
         return result
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # a migration still in flight would otherwise commit its transfers (read before the load) over the loaded
+        # weights at the next forward; committed first, the load then replaces everything it moved
+        flush_pending(self)
         load = super().load_checkpoint
         migration = self.cobalt_config.migration if self.cobalt_config is not None else None
         if migration is None or not migration.checkpoint_logical_order:

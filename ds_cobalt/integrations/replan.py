@@ -54,7 +54,7 @@ from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
 from ..runtime.placement import build_placement, remote_nodes_per_token
 from .expert_state import piece_numel
-from .migration import migratable_layers, migrate
+from .migration import flush_pending, migratable_layers, migrate
 from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_planner
 
 # The pure decision lives in the planner; these names stay importable from here.
@@ -326,6 +326,9 @@ class Replanner:
         schedule) to its planner, to be applied `apply_lag` steps later (default `planner.apply_lag`). The layers
         whose owners may not move (`LayerCore.owners_may_move`: owner moves bet on a schedule that clearly beats
         dense, which no layout helps) then take a migration's owners-stay alternative (its spare slots) instead."""
+        # a migration applied at this step commits in the next forward: the plan starts from its owners, or a
+        # replica-only decision would keep the owners it replaces (collective, like the apply)
+        flush_pending(engine)
         t0 = time.perf_counter()
         steps = self._steps_since_last_plan(step)  # the steps the statistics sum (before they count from here)
         stats = self._gather()
@@ -469,7 +472,13 @@ class Replanner:
         to_migrate: list[np.ndarray | None] = [None] * L
         realign = self._start_s.get("before_trials") and any(a != KEEP for a in actions)
         for i, (layer, action) in enumerate(zip(self.layers, actions)):
-            if action == REPLICAS:
+            P = layer.num_local_experts
+            if action == REPLICAS and not np.array_equal(slots[i][:, :P], layer.layout_slots[:, :P]):
+                # planned on owners that a failed migration kept, or that another migration moved since (every rank
+                # holds the same layouts, so all skip it)
+                logger.warning(f"ds_cobalt replan at step {engine.global_steps}: layer {i}'s replica plan is for "
+                               "other owners than it has now; it keeps its layout")
+            elif action == REPLICAS:
                 layer.set_layout(slots[i])
             elif action == MIGRATE:
                 to_migrate[i] = slots[i]
