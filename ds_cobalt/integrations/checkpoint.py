@@ -14,8 +14,9 @@ What DeepSpeed's format itself cannot do is optimizer state at a different data-
 world size (ZeRO-1/2 raise "Automatic adjustment of ZeRO's optimizer state partitioning with a new world
 size is not currently supported"; without ZeRO the per-EP-rank optimizer file holds a different number of
 experts). For that every save also writes `portable.py`'s state beside DeepSpeed's files; at another world
-size, ranks per node or layout, `load_checkpoint(dir, load_module_only=True)` loads DeepSpeed's weights and
-then restores every parameter's master copy and optimizer state from it.
+size or expert-parallel size, `load_checkpoint(dir, load_module_only=True)` loads DeepSpeed's weights and then
+restores every parameter's master copy and optimizer state from it (at the sizes that saved it, the module only,
+as DeepSpeed does; `cobalt_portable_state=True` restores it there too).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import os
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 from deepspeed.utils import logger
 
 from ..planner.layout import contiguous_layout
 from .migration import migratable_layers, migrate, relink_optimizer_state
-from .portable import has_portable_state, load_portable_state, save_portable_state
+from .portable import has_portable_state, load_portable_state, save_portable_state, saved_world_size
 from .replan_state import latest_tag_directory
 
 CLIENT_KEY = "ds_cobalt"
@@ -57,16 +59,46 @@ def save_checkpoint(engine: Any, save: Any, portable_state: bool, save_dir: str,
 
 
 def load_checkpoint(engine: Any, load: Any, portable_state: bool, load_dir: str, tag: Any = None,
-                    *args: Any, **kwargs: Any) -> Any:
-    """`load(load_dir, tag, ...)` (DeepSpeed's own load) of a logical-order checkpoint, then the saved layout;
-    with `load_module_only=True` and portable state present, the optimizer state from it."""
+                    *args: Any, restore_portable: bool | None = None, **kwargs: Any) -> Any:
+    """`load(load_dir, tag, ...)` (DeepSpeed's own load) of a logical-order checkpoint, then the saved layout.
+    With `load_module_only=True` and portable state present, also the optimizer state from it where DeepSpeed's
+    own full load cannot restore it (`restore_portable=None`: another world size or expert-parallel size), or as
+    `restore_portable` says; elsewhere the module only, as DeepSpeed loads it."""
     result = load_logical(engine, load, load_dir, tag, *args, **kwargs)
     if portable_state and kwargs.get("load_module_only") and result[0] is not None:
         directory = latest_tag_directory(load_dir, tag)
         if directory is not None and has_portable_state(directory):
-            load_portable_state(engine, directory)
-            logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state)")
+            why = _portable_restore_reason(engine, directory, result[1]) if restore_portable is None else \
+                ("asked for" if restore_portable else None)
+            if why is not None:
+                load_portable_state(engine, directory)
+                logger.info(f"ds_cobalt: restored weights and optimizer state from {directory} (portable state: "
+                            f"{why})")
+            elif _rank() == 0:
+                logger.info(f"ds_cobalt: load_module_only at the world and expert-parallel sizes that saved "
+                            f"{directory}: the module only, as DeepSpeed loads it (a load without load_module_only "
+                            "restores the optimizer too)")
     return result
+
+
+def _portable_restore_reason(engine: Any, directory: str, client_state: dict | None) -> str | None:
+    """Why a `load_module_only` load restores the portable state: DeepSpeed's own full load could not (None where it
+    could). Unreadable portable state counts as a reason, so `load_portable_state` reports what is wrong with it."""
+    saved = saved_world_size(directory)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saved is None:
+        return "its manifest does not give the world size that saved it"
+    if saved != world:
+        return f"saved at world size {saved}, loaded at {world}"
+    meta = (client_state or {}).get(CLIENT_KEY) or {}
+    layers = migratable_layers(engine)
+    if layers and meta.get("ep_size") not in (None, layers[0].topology.world_size):
+        return f"saved at expert-parallel size {meta['ep_size']}, loaded at {layers[0].topology.world_size}"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def layout_metadata(layers: list[Any]) -> dict:

@@ -112,7 +112,11 @@ class CobaltEngine(DeepSpeedEngine):
         save_replan_state(self, tag_directory(save_dir, tag, self.global_steps))
         return result
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, cobalt_portable_state: bool | None = None,
+                        **kwargs: Any) -> Any:
+        """DeepSpeed's `load_checkpoint`; `cobalt_portable_state` (with `load_module_only=True`): restore ds_cobalt's
+        portable state (optimizer state, step counts) always (True), never (False), or where DeepSpeed's own full
+        load could not (None: another world size or expert-parallel size; `checkpoint.load_checkpoint`)."""
         # a migration still in flight would otherwise commit its transfers (read before the load) over the loaded
         # weights at the next forward; committed first, the load then replaces everything it moved
         flush_pending(self)
@@ -122,7 +126,7 @@ class CobaltEngine(DeepSpeedEngine):
             result = load(load_dir, tag, *args, **kwargs)
         else:
             result = checkpoint.load_checkpoint(self, load, migration.checkpoint_portable_state, load_dir, tag,
-                                                *args, **kwargs)
+                                                *args, restore_portable=cobalt_portable_state, **kwargs)
         directory = latest_tag_directory(load_dir, tag)
         if result[0] is not None and directory is not None and not kwargs.get("load_module_only"):
             load_replan_state(self, directory)

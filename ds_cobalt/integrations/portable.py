@@ -133,6 +133,15 @@ def has_portable_state(checkpoint_dir: str) -> bool:
     return any(_state_files(checkpoint_dir).values())
 
 
+def saved_world_size(checkpoint_dir: str) -> int | None:
+    """The world size of the save that wrote `checkpoint_dir`'s portable state, from rank 0's manifest; None where
+    there is none to read (old `.pt` files, or a missing or broken manifest: `load_portable_state` says which)."""
+    try:
+        return int(_read_manifest(checkpoint_dir, 0, "rank 0's manifest gives the world size")["world_size"])
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def load_portable_state(engine: Any, checkpoint_dir: str) -> None:
     """Write the saved state into `engine` (any world size and layout). FileNotFoundError / ValueError name the
     file or the parameter that is missing or wrong."""

@@ -189,7 +189,8 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         engine.save_checkpoint(checkpoint, tag="t")
         _steps(engine, data[::-1], range(2))  # moves weights and optimizer state away from the checkpoint
         # weights from DeepSpeed's files, optimizer state from ds_cobalt's portable state (fused rows by expert)
-        engine.load_checkpoint(checkpoint, tag="t", load_module_only=True)
+        engine.load_checkpoint(checkpoint, tag="t", load_module_only=True,
+                               cobalt_portable_state=True)
         out["after_save"] = _steps(engine, data, range(steps, steps + AFTER_SAVE))
     return out
 

@@ -336,10 +336,10 @@ def _save_then_load(rank: int, world: int, root: str, marker: str, stage: int) -
     out: dict[str, Any] = {"saved": saved, "files": sorted(n for n in os.listdir(os.path.join(root, "good"))
                                                            if n.startswith("cobalt_state"))}
     engine = _build_engine(stage)
-    engine.load_checkpoint(root, tag="good", load_module_only=True)
+    engine.load_checkpoint(root, tag="good", load_module_only=True, cobalt_portable_state=True)
     out["loaded"], out["global_steps"] = _full_state(engine), engine.global_steps
     try:
-        engine.load_checkpoint(root, tag="evil", load_module_only=True)
+        engine.load_checkpoint(root, tag="evil", load_module_only=True, cobalt_portable_state=True)
         out["evil_error"] = None
     except ValueError as err:
         out["evil_error"] = str(err)

@@ -140,7 +140,7 @@ def _load_at_2(rank: int, world: int, root: str) -> dict:
         engine.destroy()
         # ds_cobalt's portable state of the original tag (the reference the project already trusts)
         engine = _engine(2, stage)
-        engine.load_checkpoint(ckpt, tag=TAG, load_module_only=True)
+        engine.load_checkpoint(ckpt, tag=TAG, load_module_only=True, cobalt_portable_state=True)
         res["portable_global_steps"], res["portable_state"] = engine.global_steps, _full_state(engine)
         res["portable_losses"] = _steps(engine, data, range(SAVE_STEP, SAVE_STEP + AFTER))
         res["portable_steps_after"] = _full_state(engine)["steps"]
