@@ -27,7 +27,11 @@ def run(args: argparse.Namespace) -> int:
     from ..planner.layout import load_layout, save_layout
     from ..planner.policies import plan_layout
     from ..planner.trace import load_trace
+    from .paths import check_output_file
 
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     trace = load_trace(args.trace)
     current = load_layout(args.current) if args.current else None
     with tqdm(total=trace.num_layers, desc=f"plan {args.policy}", unit="layer",

@@ -25,12 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from ..planner.stats import count_routing
     from ..planner.trace import load_trace, save_trace
     from ..sim.synth import gini, synth_trace
+    from .paths import check_output_file
 
     if args.trace_verb == "synth":
+        check_output_file(args.out, "--out")
         trace = synth_trace(num_experts=args.num_experts, top_k=args.top_k, num_tokens=args.tokens,
                             num_layers=args.layers, gini=args.gini, clustering=args.clustering,
                             num_clusters=args.clusters, seed=args.seed)

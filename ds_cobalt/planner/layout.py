@@ -200,6 +200,10 @@ def load_layout(path: str | Path) -> Layout:
     return layout_from_dict(data, source=str(path))
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def layout_from_dict(data: dict, source: str = "layout") -> Layout:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a JSON object")
@@ -208,6 +212,9 @@ def layout_from_dict(data: dict, source: str = "layout") -> Layout:
     for key in ("num_experts", "nodes", "gpus_per_node", "slots_per_gpu", "layers"):
         if key not in data:
             raise ValueError(f"{source}: missing key {key!r}")
+    for key in ("num_experts", "nodes", "gpus_per_node", "slots_per_gpu"):
+        if not _is_int(data[key]) or data[key] < 1:
+            raise ValueError(f"{source}: {key!r} must be an int >= 1, got {data[key]!r}")
     layers = data["layers"]
     if not isinstance(layers, list) or not layers:
         raise ValueError(f"{source}: 'layers' must be a non-empty list")
@@ -221,6 +228,10 @@ def layout_from_dict(data: dict, source: str = "layout") -> Layout:
         for r, row in enumerate(slots):
             if not isinstance(row, list) or len(row) != S:
                 raise ValueError(f"{source}: layers[{i}].slots[{r}] must have slots_per_gpu={S} entries")
+            bad = [v for v in row if not _is_int(v)]
+            if bad:
+                raise ValueError(f"{source}: layers[{i}].slots[{r}] holds {bad[0]!r}; slots are expert ids (ints) or "
+                                 "-1")
     slots_LWS = np.array([layer["slots"] for layer in layers], dtype=np.int64)
     return Layout(int(data["num_experts"]), int(data["nodes"]), int(data["gpus_per_node"]), slots_LWS)
 

@@ -56,6 +56,9 @@ def register_policy(name: str) -> Callable[[Policy], Policy]:
 
 def check_topology(num_experts: int, nodes: int, gpus_per_node: int, redundant_slots: int = 0) -> None:
     """ValueError naming the bad value when the topology cannot hold the experts."""
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("redundant_slots", redundant_slots)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -347,6 +350,17 @@ def plan_layer(policy: str, inp: LayerInput) -> np.ndarray:
     return POLICIES[policy](inp)
 
 
+def _check_current(current: Layout, trace: Trace, nodes: int, gpus_per_node: int) -> None:
+    """ValueError naming what differs when `current` cannot be the layout a plan for `trace` starts from."""
+    found = (current.num_experts, current.nodes, current.gpus_per_node)
+    if found != (trace.num_experts, nodes, gpus_per_node):
+        raise ValueError(f"current layout is for num_experts={found[0]} on {found[1]} x {found[2]} GPUs, the plan for "
+                         f"num_experts={trace.num_experts} on {nodes} x {gpus_per_node}")
+    if current.num_layers not in (1, trace.num_layers):
+        raise ValueError(f"current layout has {current.num_layers} layers but the trace has {trace.num_layers} "
+                         "(need equal, or 1 layer)")
+
+
 def plan_layout(
     trace: Trace,
     nodes: int,
@@ -364,6 +378,10 @@ def plan_layout(
     check_topology(E, nodes, gpus_per_node, redundant_slots)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(sorted(POLICIES))}")
+    if max_sample_tokens < 1:
+        raise ValueError(f"max_sample_tokens must be >= 1, got {max_sample_tokens}")
+    if current is not None:
+        _check_current(current, trace, nodes, gpus_per_node)
     W = nodes * gpus_per_node
     src_T = trace.source_ranks(W)
     T = trace.num_tokens

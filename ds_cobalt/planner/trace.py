@@ -128,10 +128,17 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace {path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if not magic.startswith((b"PK", b"\x93NUMPY")):  # a zip archive (.npz) or a numpy array file
+        raise ValueError(f"trace {path}: not an .npz archive (it starts with {magic!r})")
     try:
         data = np.load(path, allow_pickle=False)
     except Exception as err:  # noqa: BLE001 - np.load raises many types for a bad file
         raise ValueError(f"trace {path}: not a readable .npz file ({err})") from err
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"trace {path}: a single array (.npy), not an .npz archive with the fields 'experts' and "
+                         "'num_experts'")
     with data:
         for key in ("experts", "num_experts"):
             if key not in data.files:

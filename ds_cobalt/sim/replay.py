@@ -69,6 +69,10 @@ def replay(
     E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
     W = N * G
     src_T = trace.source_ranks(W)
+    busiest = int(np.bincount(src_T, minlength=W).max(initial=0))
+    if steps > busiest:
+        raise ValueError(f"steps={steps} exceeds the tokens of the busiest source rank ({busiest}): every step needs "
+                         "tokens")
     chunks = step_tokens(src_T, W, steps)
     per_layer, replans, migrations, step_gpu, step_node = [], 0, 0, [], []
     for layer in range(trace.num_layers):
