@@ -37,11 +37,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="no trace: predict a synthetic --model-shape job on this many GPUs")
 
 
+# step-time model flags (their value must be >= the bound; None: not given)
+_STEP_TIME_MINIMA = {"hidden": 1, "ffn": 1, "ffn_matrices": 1, "dtype_bytes": 1, "step_tokens": 1,
+                     "capacity_factor": 0, "min_capacity": 0, "synth_gpus": 1}
+_STEP_TIME_FLAGS = ("model_shape", "hidden", "ffn", "ffn_matrices", "dtype_bytes", "step_tokens", "inter_node_rate")
+_REPLAY_DEFAULTS = {"replan_interval": 4, "steps": 16, "decay": 0.7, "stage2": "step"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a flag with an impossible value, or one that the chosen mode would ignore."""
+    for name, low in _STEP_TIME_MINIMA.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"{_flag(name)} must be >= {low}, got {value}")
+    step_time = args.hardware or args.hardware_json or args.synth_gpus
+    if not step_time:
+        given = [_flag(n) for n in _STEP_TIME_FLAGS if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for the step-time model only (with --hardware, --hardware-json or "
+                             "--synth-gpus)")
+    if not args.replay:
+        given = [_flag(n) for n, default in _REPLAY_DEFAULTS.items() if getattr(args, n) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for --replay only")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..planner.layout import load_layout
     from ..planner.trace import load_trace
     from ..sim.metrics import METRICS, simulate
 
+    _check_flags(args)
     if args.hardware or args.hardware_json or args.synth_gpus:
         return _run_step_time(args)
     if not args.trace or not args.layout:

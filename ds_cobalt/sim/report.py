@@ -34,6 +34,10 @@ def _save(fig, path, dpi: int = 100) -> None:
     fig.savefig(path, dpi=dpi)
     _plt().close(fig)
 
+# what the report reads of a run's metrics (examples/train_moe.py --metrics-out)
+METRICS_KEYS = ("step_times_s", "steps", "traffic", "final_loss", "tokens_per_s", "world_size", "ranks_per_node")
+
+
 def find_inputs(run_dir: str | Path) -> dict:
     """`{"metrics": {variant: dict}, "links": {variant: dict}, "trace": path|None, "layouts": {name: path},
     "changes": path|None}`."""
@@ -49,9 +53,15 @@ def find_inputs(run_dir: str | Path) -> dict:
         elif path.suffix == ".json" and path.name != "links.json":
             try:
                 data = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                if path.name == "metrics.json":
+                    raise ValueError(f"report: {path} is not JSON ({err})") from None
+                continue  # some other file
             if isinstance(data, dict) and "step_times_s" in data:
+                missing = [k for k in METRICS_KEYS if k not in data]
+                if missing:
+                    raise ValueError(f"report: {path} lacks {', '.join(missing)} (examples/train_moe.py "
+                                     "--metrics-out writes them)")
                 name = path.parent.name if path.stem == "metrics" and path.parent != root else path.stem
                 found["metrics"][name] = data
                 if (path.parent / "links.json").is_file() and path.parent != root:
@@ -149,9 +159,13 @@ def _read_changes(path: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            raise ValueError(f"{path}:{i + 1}: expected an object with an int 'step', got {line.strip()[:80]}")
         moved = row.get("moved_experts", row.get("moved", 0))
-        count = len(moved) if isinstance(moved, list) else int(moved)
-        out.append({"step": int(row["step"]), "moved": count, "layer": row.get("layer")})
+        if not isinstance(moved, (list, int)) or isinstance(moved, bool):
+            raise ValueError(f"{path}:{i + 1}: 'moved_experts' / 'moved' must be a list or a count, got {moved!r}")
+        count = len(moved) if isinstance(moved, list) else moved
+        out.append({"step": row["step"], "moved": count, "layer": row.get("layer")})
     return out
 
 
@@ -173,6 +187,10 @@ def _plot_changes(changes: list[dict], path: Path) -> None:
 def render_report(run_dir: str | Path, out_dir: str | Path | None = None, layer: int = 0) -> Path:
     """Write PNGs and `index.html` to `out_dir` (default RUN_DIR/report); return the HTML path."""
     found = find_inputs(run_dir)
+    changes = _read_changes(found["changes"]) if found["changes"] is not None else None  # errors before writing
+    trace = load_trace(found["trace"]) if found["trace"] is not None else None
+    if trace is not None and not 0 <= layer < trace.num_layers:
+        raise ValueError(f"report: --layer {layer} is outside the trace's {trace.num_layers} layers")
     out = Path(out_dir) if out_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"<h1>ds_cobalt report: {html.escape(str(run_dir))}</h1>"]
@@ -191,21 +209,23 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None, layer:
                   "</tr>", *rows, "</table>", '<img src="training.png">']
     else:
         parts.append("<p>No metrics JSON (examples/train_moe.py --metrics-out) found.</p>")
-    if found["trace"] is not None:
-        trace = load_trace(found["trace"])
-        if not 0 <= layer < trace.num_layers:
-            raise ValueError(f"report: --layer {layer} is outside the trace's {trace.num_layers} layers")
-        loaded = {name: load_layout(p) for name, p in found["layouts"].items()}
-        loaded = {k: v for k, v in loaded.items() if v.num_experts == trace.num_experts}
+    loaded = {name: load_layout(p) for name, p in found["layouts"].items()}
+    other = sorted(k for k, v in loaded.items() if trace is not None and v.num_experts != trace.num_experts)
+    if other:
+        parts.append(f"<p>Layouts for another number of experts than the trace's, left out: "
+                     f"{html.escape(', '.join(other))}.</p>")
+    loaded = {k: v for k, v in loaded.items() if k not in other}
+    if trace is not None and not loaded and not found["metrics"]:
+        parts.append("<p>A routing trace but no layout or metrics JSON: the nodes and GPUs per node are unknown, so "
+                     "no placement plots.</p>")
+    elif trace is not None:
         if loaded:
             first = next(iter(loaded.values()))
             N, G = first.nodes, first.gpus_per_node
-        elif found["metrics"]:
+        else:
             m = next(iter(found["metrics"].values()))
             G = m["ranks_per_node"]
             N = m["world_size"] // G
-        else:
-            N, G = 1, 1
         layouts = {"before (DeepSpeed contiguous)": contiguous_layout(trace.num_experts, N, G)}
         layouts.update({f"after ({k})": v for k, v in loaded.items()})
         summary = _plot_placement(trace, layouts, out / "placement.png", layer)
@@ -215,8 +235,7 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None, layer:
         parts += ["</ul>", '<img src="placement.png">']
     else:
         parts.append("<p>No routing trace (.npz) found: no co-activation or load plots.</p>")
-    if found["changes"] is not None:
-        changes = _read_changes(found["changes"])
+    if changes is not None:
         if changes:
             _plot_changes(changes, out / "layout_changes.png")
             parts += [f"<h2>Layout changes</h2><p>{len(changes)} changes, "

@@ -59,7 +59,7 @@ def load_runs(runs_dir: str | Path, shared_trace: str | Path | None = None) -> d
         rate, impl = d.name.split("-", 1)  # rates have no "-"; variants may (cobalt-placement-overlap)
         links = json.loads((d / "links.json").read_text()) if (d / "links.json").is_file() else None
         runs.setdefault(rate, {})[impl] = {
-            "metrics": json.loads((d / "metrics.json").read_text()),
+            "metrics": _read_metrics(d / "metrics.json"),
             "links": links,
             "trace_path": str(d / "trace.npz") if (d / "trace.npz").is_file()
             else str(shared) if shared.is_file() else None,
@@ -67,6 +67,24 @@ def load_runs(runs_dir: str | Path, shared_trace: str | Path | None = None) -> d
     if not runs:
         raise ValueError(f"{runs_dir}: no <rate>-<impl>/metrics.json folders (benchmarks/e2e_cluster.py output)")
     return runs
+
+
+# what the comparison reads of a run's metrics (examples/train_moe.py --metrics-out)
+METRICS_KEYS = ("step_times_s", "model", "tokens_per_step", "world_size", "ranks_per_node", "steps", "traffic")
+
+
+def _read_metrics(path: Path) -> dict:
+    """A run's metrics; ValueError naming the file and what is wrong with it."""
+    try:
+        metrics = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON file ({err})") from None
+    missing = [k for k in METRICS_KEYS if not isinstance(metrics, dict) or k not in metrics]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)} (examples/train_moe.py --metrics-out writes them)")
+    if not metrics["step_times_s"]:
+        raise ValueError(f"{path}: step_times_s is empty")
+    return metrics
 
 
 def _shape(metrics: dict) -> ModelShape:
@@ -195,6 +213,9 @@ def compare_runs(runs_dir: str | Path, hw: Hardware, anchor: tuple[str, str] | N
 def _compare_one(runs_dir: Path, hw: Hardware, anchor: tuple[str, str] | None, fit_overheads: bool,
                  shared_trace: Path | None = None) -> dict:
     runs = load_runs(runs_dir, shared_trace)
+    if not any("deepspeed" in impls for impls in runs.values()):
+        raise ValueError(f"{runs_dir}: no <rate>-deepspeed run, so no ratio to compare (found "
+                         f"{', '.join(f'{rate}-{impl}' for rate, impls in runs.items() for impl in impls)})")
     rows = []
     for rate, impls in runs.items():
         trace_path = next((r["trace_path"] for r in impls.values() if r["trace_path"]), None)

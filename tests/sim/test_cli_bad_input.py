@@ -1,0 +1,95 @@
+"""Bad input to the `ds-cobalt` verbs: exit code 2 with an error that names what is wrong, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_cobalt.cli import main
+from ds_cobalt.planner.layout import contiguous_layout, save_layout
+from ds_cobalt.planner.policies import plan_layout
+from ds_cobalt.planner.trace import save_trace
+from ds_cobalt.sim.synth import synth_trace
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    out = {"t16": tmp_path / "t16.npz", "t32": tmp_path / "t32.npz", "l16": tmp_path / "l16.json"}
+    save_trace(synth_trace(num_experts=16, top_k=2, num_tokens=400, num_layers=2, seed=1), out["t16"])
+    save_trace(synth_trace(num_experts=32, top_k=2, num_tokens=400, seed=2), out["t32"])
+    save_layout(contiguous_layout(16, 2, 2, num_layers=2), out["l16"])
+    return out
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_plan_checks_the_current_layout_and_outputs(files, tmp_path, capsys):
+    t16, t32, l16 = (str(files[k]) for k in ("t16", "t32", "l16"))
+    out = tmp_path / "q.json"
+    # another number of experts, another topology: the compiled kernels would read out of bounds
+    assert "num_experts=16 on 2 x 2 GPUs, the plan for num_experts=32" in _error(
+        capsys, ["plan", "--trace", t32, "--nodes", "2", "--gpus-per-node", "2", "--current", l16, "--out", str(out)])
+    assert "the plan for num_experts=16 on 4 x 1" in _error(
+        capsys, ["plan", "--trace", t16, "--nodes", "4", "--gpus-per-node", "1", "--current", l16, "--out", str(out)])
+    # outputs checked before planning: nothing is written when one of them cannot be
+    assert "does not exist" in _error(capsys, ["plan", "--trace", t16, "--nodes", "2", "--gpus-per-node", "2",
+                                               "--plot", str(tmp_path / "nodir" / "p.png"), "--out", str(out)])
+    assert "is a directory" in _error(capsys, ["plan", "--trace", t16, "--nodes", "2", "--gpus-per-node", "2",
+                                               "--out", str(tmp_path)])
+    assert not out.exists()
+    with pytest.raises(ValueError, match="nodes must be an int"):
+        plan_layout(synth_trace(num_experts=16, top_k=2, num_tokens=100, seed=3), 2.0, 2)
+
+
+def test_layout_slots_and_trace_files(files, tmp_path, capsys):
+    layout = json.loads(files["l16"].read_text())
+    for bad in (None, 1.5, "0", True):
+        layout["layers"][0]["slots"][1][0] = bad
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(layout))
+        err = _error(capsys, ["simulate", "--trace", str(files["t16"]), "--layout", str(path)])
+        assert f"layers[0].slots[1] holds {bad!r}" in err
+    np.save(tmp_path / "a.npy", np.zeros((1, 4, 2), dtype=np.int64))
+    assert "a single array (.npy)" in _error(capsys, ["trace", "info", str(tmp_path / "a.npy")])
+    (tmp_path / "text.npz").write_text("hello")
+    assert "not an .npz archive" in _error(capsys, ["trace", "info", str(tmp_path / "text.npz")])
+
+
+def test_simulate_flags(files, capsys):
+    base = ["simulate", "--trace", str(files["t16"]), "--layout", str(files["l16"])]
+    # 100 tokens per source rank: a 101st step would have none
+    assert "steps=101 exceeds the tokens of the busiest source rank (100)" in _error(
+        capsys, [*base, "--replay", "--steps", "101"])
+    assert "--stage2: for --replay only" in _error(capsys, [*base, "--stage2", "interval"])
+    assert "--model-shape: for the step-time model only" in _error(capsys, [*base, "--model-shape", "qwen"])
+    hw = [*base, "--hardware", "H100", "--model-shape", "mixtral"]
+    assert "--hidden must be >= 1, got -1" in _error(capsys, [*hw, "--hidden", "-1"])
+    assert "--capacity-factor must be >= 0" in _error(capsys, [*hw, "--capacity-factor", "-1"])
+    assert main([*base, "--replay", "--steps", "4", "--json"]) == 0
+
+
+def test_report_and_compare_name_bad_files(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "layout_changes.jsonl").write_text('{"step": 3, "moved": 2}\n{"step": "x"}\n')
+    assert "layout_changes.jsonl:2: expected an object with an int 'step'" in _error(capsys, ["report", str(run)])
+    assert not (run / "report").exists()  # checked before anything is written
+    runs = tmp_path / "e2e"
+    shutil.copytree(REPO / "tests" / "data" / "e2e_default", runs, ignore=shutil.ignore_patterns("repeats"))
+    for d in runs.glob("*-deepspeed"):
+        shutil.rmtree(d)
+    assert "no <rate>-deepspeed run" in _error(capsys, ["calibrate", "--compare", str(runs)])
+    metrics = runs / "1gbit-cobalt" / "metrics.json"
+    data = json.loads(metrics.read_text())
+    del data["step_times_s"]
+    metrics.write_text(json.dumps(data))
+    assert "1gbit-cobalt/metrics.json: missing step_times_s" in _error(capsys, ["calibrate", "--compare", str(runs)])
