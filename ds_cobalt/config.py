@@ -6,7 +6,6 @@ key path (for example `cobalt.topology.ranks_per_node`) and what would be valid.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,11 +21,12 @@ class _Section(BaseModel):
 class TopologyConfig(_Section):
     """How ranks group into nodes. `ranks_per_node` overrides the launcher's LOCAL_WORLD_SIZE.
     `group_timeout_s`: the longest any collective on ds_cobalt's own process groups (rails, nodes, its copy of
-    each EP group) waits for a peer before it fails with an error (a lost peer is an error, not a hang); DeepSpeed's
-    groups keep `deepspeed.init_distributed`'s timeout."""
+    each EP group) waits for a peer before it fails with an error (a lost peer is an error, not a hang), at most a
+    week (gloo counts it in milliseconds; 1e10 s timed out at once); DeepSpeed's groups keep
+    `deepspeed.init_distributed`'s timeout."""
 
     ranks_per_node: int | None = Field(default=None, gt=0)
-    group_timeout_s: float = Field(default=600.0, gt=0)
+    group_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
 
 
 class TrafficConfig(_Section):
@@ -240,13 +240,37 @@ def parse_cobalt_config(section: Any) -> CobaltConfig:
         raise ValueError(_describe(err)) from None
 
 
-def split_deepspeed_config(config: str | Path | dict) -> tuple[dict, CobaltConfig]:
-    """Load a DeepSpeed config (path or dict); return it without the cobalt section, and that section parsed."""
-    if isinstance(config, (str, Path)):
+def read_deepspeed_config(config: str | Path) -> dict:
+    """A DeepSpeed config given as a path or a base64 string, read as DeepSpeed reads it (hjson: JSON with comments;
+    a duplicate key is an error). ValueError naming the problem."""
+    import base64
+    import binascii
+
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+    if Path(config).is_file():
         try:
-            config = json.loads(Path(config).read_text())
-        except json.JSONDecodeError as err:
+            return hjson.loads(Path(config).read_text(), object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except (hjson.HjsonDecodeError, ValueError) as err:
             raise ValueError(f"DeepSpeed config {config}: not valid JSON ({err})") from None
+    if isinstance(config, str):
+        try:
+            decoded = base64.urlsafe_b64decode(config).decode("utf-8")
+            loaded = hjson.loads(decoded, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except (binascii.Error, UnicodeDecodeError, hjson.HjsonDecodeError, ValueError):
+            loaded = None
+        if isinstance(loaded, dict):
+            return loaded
+    raise ValueError(f"DeepSpeed config {str(config)[:200]!r}: expected the path of an existing config file, a dict "
+                     "or a base64-encoded config")
+
+
+def split_deepspeed_config(config: str | Path | dict) -> tuple[dict, CobaltConfig]:
+    """Load a DeepSpeed config (path, base64 string or dict, as `deepspeed.initialize` takes it); return it without
+    the cobalt section, and that section parsed."""
+    if isinstance(config, (str, Path)):
+        config = read_deepspeed_config(config)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
     rest = {key: value for key, value in config.items() if key != SECTION}

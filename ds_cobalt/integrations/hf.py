@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from ..config import CobaltConfig, parse_cobalt_config, split_deepspeed_config
+from ..config import CobaltConfig, parse_cobalt_config, read_deepspeed_config, split_deepspeed_config
 from . import peer_watch
 from .auto_ep import adopt_auto_ep_layers
 from .cobalt_engine import CobaltEngine
@@ -232,7 +232,7 @@ def _load_deepspeed_config(value: Any) -> dict:
     if isinstance(value, dict):
         return value
     if isinstance(value, (str, Path)) and Path(value).is_file():
-        return json.loads(Path(value).read_text())
+        return read_deepspeed_config(value)
     if isinstance(value, str):
         try:
             loaded = json.loads(value)

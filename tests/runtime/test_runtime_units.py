@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import numpy as np
@@ -125,6 +126,19 @@ def test_config_split_keeps_deepspeed_keys(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         split_deepspeed_config(path)
+    # as DeepSpeed reads a config: comments allowed (hjson), a duplicate key is an error, base64 strings too
+    path.write_text('{\n  // micro batches\n  "train_batch_size": 8,\n  "cobalt": {}\n}')
+    assert split_deepspeed_config(path)[0] == {"train_batch_size": 8}
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 4}')
+    with pytest.raises(ValueError, match="Duplicate keys"):
+        split_deepspeed_config(path)
+    encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8, "cobalt": {"planner": {"replan_interval": 7}}}')
+    ds, cobalt = split_deepspeed_config(encoded.decode())
+    assert ds == {"train_batch_size": 8} and cobalt.planner.replan_interval == 7
+    with pytest.raises(ValueError, match="existing config file"):
+        split_deepspeed_config(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="group_timeout_s"):
+        parse_cobalt_config({"topology": {"group_timeout_s": float("inf")}})
 
 
 def test_layout_errors_name_the_problem() -> None:
