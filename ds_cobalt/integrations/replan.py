@@ -79,11 +79,30 @@ def _remote_nodes(layer: LayerCore, slots_WS: np.ndarray, samples_TK: np.ndarray
     return out_T
 
 
+def _plan_shape(layer: LayerCore) -> tuple[int, int, int, int]:
+    """What a re-plan's layers share: experts, EP size, ranks per node, model width."""
+    topo = layer.topology
+    return layer.num_experts, topo.world_size, topo.ranks_per_node, layer.model_dim
+
+
 class Replanner:
     """The step hook. One instance per engine; see the module docstring for the timeline."""
 
     def __init__(self, engine: Any, cobalt: CobaltConfig) -> None:
-        self.layers: list[LayerCore] = migratable_layers(engine)
+        every = migratable_layers(engine)
+        # the layers planned share one shape (a plan's request, payload and link model are per shape): the most
+        # common among those with several EP ranks, ties to the first (every rank sees the same layers)
+        shapes = [_plan_shape(layer) for layer in every]
+        spread = [shape for shape in shapes if shape[1] > 1] or shapes
+        planned = max(spread, key=lambda shape: (spread.count(shape), -spread.index(shape))) if spread else None
+        self._positions = [i for i, shape in enumerate(shapes) if shape == planned]
+        self.layers: list[LayerCore] = [every[i] for i in self._positions]
+        self._all_layers = len(every)
+        left = sorted(set(range(len(every))) - set(self._positions))
+        if left and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning(f"ds_cobalt: re-planning covers the MoE layers with {planned[0]} experts, EP size "
+                           f"{planned[1]}, {planned[2]} ranks per node and model width {planned[3]}; layers {left} "
+                           "differ and keep their layout")
         self.cfg = cobalt.planner
         self.mig = cobalt.migration
         self._planner: LayerPlanner | None = None
@@ -486,7 +505,10 @@ class Replanner:
                 layer.restart_trials()  # in step with the layers whose new layout restarts their trials
         if any(s is not None for s in to_migrate):
             saving = float(sum(s for s, a in zip(savings, actions) if a == MIGRATE))
-            migrate(engine, to_migrate, reason=f"replan:{self.cfg.policy}", predicted_saving_s=saving,
+            every: list[np.ndarray | None] = [None] * self._all_layers  # migrate() takes every ds_cobalt layer
+            for position, slots_WS in zip(self._positions, to_migrate):
+                every[position] = slots_WS
+            migrate(engine, every, reason=f"replan:{self.cfg.policy}", predicted_saving_s=saving,
                     asynchronous=self.mig.asynchronous)
         elif rank == 0:
             logger.info(f"ds_cobalt replan at step {engine.global_steps}: no owner migration "
