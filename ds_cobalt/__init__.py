@@ -18,6 +18,7 @@ _LAZY = {
     "schedule_summary": "ds_cobalt.integrations.layers",
     "balance_summary": "ds_cobalt.integrations.layers",
     "cobalt_layers": "ds_cobalt.integrations.layers",
+    "logical_order": "ds_cobalt.integrations.checkpoint",
     "CobaltEngine": "ds_cobalt.integrations.cobalt_engine",
     "CobaltConfig": "ds_cobalt.config",
     "parse_cobalt_config": "ds_cobalt.config",

@@ -21,15 +21,16 @@ as DeepSpeed does; `cobalt_portable_state=True` restores it there too).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch.distributed as dist
 from deepspeed.utils import logger
 
 from ..planner.layout import contiguous_layout
-from .migration import migratable_layers, migrate, relink_optimizer_state
+from .migration import flush_pending, migratable_layers, migrate, relink_optimizer_state
 from .portable import has_portable_state, load_portable_state, save_portable_state, saved_world_size
 from .replan_state import latest_tag_directory
 
@@ -107,29 +108,49 @@ def layout_metadata(layers: list[Any]) -> dict:
             "num_experts": layers[0].num_experts, "layouts": [layer.layout_slots.tolist() for layer in layers]}
 
 
+class LogicalOrderError(RuntimeError):
+    """The move to DeepSpeed's contiguous layout failed (the training layout is kept)."""
+
+
+@contextlib.contextmanager
+def logical_order(engine: Any, purpose: str = "logical order") -> Iterator[None]:
+    """Inside the block every ds_cobalt layer's owners sit in DeepSpeed's contiguous layout (EP rank r holds experts
+    r E/W to (r + 1) E/W - 1, spare slots empty), so `module.state_dict()` and the expert parameters mean what they
+    mean in DeepSpeed's MoE; on exit the training layout (weights and optimizer state) comes back. Collective:
+    every rank enters together, between optimizer steps. `LogicalOrderError`, before the block runs, where the
+    move fails (the training layout is then kept)."""
+    flush_pending(engine)
+    layers = migratable_layers(engine)
+    current = [layer.layout_slots.copy() for layer in layers]
+    targets = [None if _owners_contiguous(layer) else _contiguous(layer) for layer in layers]
+    moved = any(t is not None for t in targets)
+    if moved:
+        report = migrate(engine, targets, reason=f"{purpose}: to logical order")
+        if not report.ok:
+            raise LogicalOrderError(f"ds_cobalt: could not migrate to logical expert order for {purpose} "
+                               f"({report.error or 'failed on another rank'})")
+    try:
+        yield
+    finally:
+        if moved:
+            back = migrate(engine, current, reason=f"{purpose}: back to the training layout")
+            if not back.ok:
+                logger.error("ds_cobalt: could not migrate back to the training layout; training continues in the "
+                             "contiguous one (correct, but without the planned placement)")
+
+
 def save_logical(engine: Any, save: Any, save_dir: str, tag: Any, client_state: dict | None,
                  *args: Any, **kwargs: Any) -> Any:
     layers = migratable_layers(engine)
     state = dict(client_state or {})
     if not layers:
         return save(save_dir, tag, state, *args, **kwargs)
-    current = [layer.layout_slots.copy() for layer in layers]
     state[CLIENT_KEY] = layout_metadata(layers)
-    targets = [None if _owners_contiguous(layer) else _contiguous(layer) for layer in layers]
-    moved = any(t is not None for t in targets)
-    if moved:
-        report = migrate(engine, targets, reason="checkpoint: to logical order")
-        if not report.ok:
-            raise RuntimeError(f"ds_cobalt: could not migrate to logical expert order before saving "
-                               f"({report.error or 'failed on another rank'}); nothing was saved")
     try:
-        return save(save_dir, tag, state, *args, **kwargs)
-    finally:
-        if moved:
-            back = migrate(engine, current, reason="checkpoint: back to the training layout")
-            if not back.ok:
-                logger.error("ds_cobalt: could not migrate back after saving; training continues in the "
-                             "contiguous layout (correct, but without the planned placement)")
+        with logical_order(engine, "checkpoint"):
+            return save(save_dir, tag, state, *args, **kwargs)
+    except LogicalOrderError as err:
+        raise LogicalOrderError(f"{err}; nothing was saved") from None
 
 
 def load_logical(engine: Any, load: Any, load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,9 @@ def _layouts(engine) -> list[np.ndarray]:
 
 
 def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
+    import torch
+
+    import ds_cobalt
     from ds_cobalt.integrations.migration import migrate
 
     out: dict[str, Any] = {}
@@ -31,6 +34,9 @@ def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     assert migrate(engine, [np.concatenate([o, o[[2, 3, 0, 1], :1]], axis=1) for o in owners]).ok
     train(engine, range(4, 6))
     saved_layouts = _layouts(engine)
+    with ds_cobalt.logical_order(engine):  # a state dict with DeepSpeed's meaning (this rank's experts r*E/W...)
+        exported = {key: value.clone() for key, value in engine.module.state_dict().items()}
+    out["layout_kept_after_export"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
     engine.save_checkpoint(cobalt_dir, tag="s6")
     out["layout_kept_after_save"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
     out["ref_cobalt"] = train(engine, range(6, 10))
@@ -38,6 +44,9 @@ def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     # vanilla DeepSpeed resumes the ds_cobalt checkpoint, then saves its own at step 6.
     engine = build_engine("deepspeed", stage)
     engine.load_checkpoint(cobalt_dir, tag="s6")
+    vanilla = engine.module.state_dict()
+    out["export_is_deepspeeds"] = exported.keys() == vanilla.keys() and all(
+        torch.equal(exported[key], vanilla[key]) for key in vanilla)
     out["vanilla_from_cobalt"] = train(engine, range(6, 10))
     engine.save_checkpoint(vanilla_dir, tag="s10")
     out["ref_vanilla"] = train(engine, range(10, 14))
@@ -66,6 +75,7 @@ def test_checkpoint_round_trips_with_vanilla_deepspeed(run_ranks: Any, tmp_path,
     res = run_ranks(_round_trips, 4, stage, str(tmp_path), ranks_per_node=2, timeout=240)
     for r in res:
         assert r["layout_kept_after_save"] and r["contiguous_after_vanilla"] and r["layout_restored"]
+        assert r["layout_kept_after_export"] and r["export_is_deepspeeds"]
         np.testing.assert_allclose(r["vanilla_from_cobalt"], r["ref_cobalt"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["cobalt_from_cobalt"], r["ref_cobalt"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["cobalt_from_vanilla"], r["ref_vanilla"], rtol=1e-5, atol=1e-6)
