@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage2", choices=("step", "predicted", "interval"), default="step",
                         help="--replay: spare slots refilled from each step's loads (the runtime's default), from "
                              "the averaged statistics, or kept from the last re-plan")
+    parser.add_argument("--expert-params", type=int, default=None,
+                        help="--replay: parameters per expert, for the migration cost model (default: a DeepSeek-like "
+                             "expert, 17.3M)")
+    parser.add_argument("--inter-node-gbps", type=float, default=None,
+                        help="--replay: inter-node link for the migration cost model (default 50)")
+    parser.add_argument("--hidden-bytes", type=int, default=None,
+                        help="--replay: bytes of one token's hidden state on the wire (default 8192: 4096 x bf16)")
     hw = parser.add_argument_group("step time (cluster simulator, docs/simulator.md)")
     hw.add_argument("--hardware", default=None, help="hardware preset: B200, H100, H200, emulated-cpu")
     hw.add_argument("--hardware-json", default=None, help="custom hardware (ds-cobalt/hardware-v1 JSON)")
@@ -39,9 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # step-time model flags (their value must be >= the bound; None: not given)
 _STEP_TIME_MINIMA = {"hidden": 1, "ffn": 1, "ffn_matrices": 1, "dtype_bytes": 1, "step_tokens": 1,
-                     "capacity_factor": 0, "min_capacity": 0, "synth_gpus": 1}
+                     "capacity_factor": 0, "min_capacity": 0, "synth_gpus": 1, "expert_params": 1,
+                     "inter_node_gbps": 1e-6, "hidden_bytes": 1}
 _STEP_TIME_FLAGS = ("model_shape", "hidden", "ffn", "ffn_matrices", "dtype_bytes", "step_tokens", "inter_node_rate")
-_REPLAY_DEFAULTS = {"replan_interval": 4, "steps": 16, "decay": 0.7, "stage2": "step"}
+_REPLAY_DEFAULTS = {"replan_interval": 4, "steps": 16, "decay": 0.7, "stage2": "step", "expert_params": None,
+                    "inter_node_gbps": None, "hidden_bytes": None}
 
 
 def _flag(name: str) -> str:
@@ -79,13 +88,19 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     layout = load_layout(args.layout)
     if args.replay:
+        from dataclasses import replace
+
         from tqdm import tqdm
 
+        from ..planner.migration import LinkModel
         from ..sim.replay import replay
 
+        sizes = {"expert_params": args.expert_params, "inter_node_gbps": args.inter_node_gbps,
+                 "token_bytes": args.hidden_bytes}
+        link = replace(LinkModel(), **{k: v for k, v in sizes.items() if v is not None})
         with tqdm(total=trace.num_layers, desc="replay", unit="layer", disable=args.json) as bar:
             report = replay(trace, layout, steps=args.steps, replan_interval=args.replan_interval,
-                            decay=args.decay, progress=lambda _: bar.update(1), stage2=args.stage2)
+                            decay=args.decay, link=link, progress=lambda _: bar.update(1), stage2=args.stage2)
     else:
         report = simulate(trace, layout)
     if args.json:

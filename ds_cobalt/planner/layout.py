@@ -131,6 +131,9 @@ def validate_layout(layout: Layout) -> None:
 
 def contiguous_layout(num_experts: int, nodes: int, gpus_per_node: int, num_layers: int = 1) -> Layout:
     """DeepSpeed's placement: rank r holds experts [r * E/W, (r + 1) * E/W)."""
+    for name, value in (("num_experts", num_experts), ("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     W = nodes * gpus_per_node
     if num_experts % W != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by nodes*gpus_per_node={W}")

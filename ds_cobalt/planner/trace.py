@@ -121,6 +121,8 @@ def validate_trace(
             raise ValueError(f"trace: 'weights' must be a float array, got dtype {w.dtype}")
         if w.shape != experts.shape:
             raise ValueError(f"trace: 'weights' must have the shape of 'experts' {experts.shape}, got {w.shape}")
+        if not np.isfinite(w).all():
+            raise ValueError("trace: 'weights' holds NaN or infinite values")
 
 
 def load_trace(path: str | Path) -> Trace:

@@ -75,6 +75,19 @@ def test_simulate_flags(files, capsys):
     assert "--hidden must be >= 1, got -1" in _error(capsys, [*hw, "--hidden", "-1"])
     assert "--capacity-factor must be >= 0" in _error(capsys, [*hw, "--capacity-factor", "-1"])
     assert main([*base, "--replay", "--steps", "4", "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_replay_prices_migrations_with_the_given_sizes(tmp_path, capsys):
+    trace, layout = tmp_path / "t.npz", tmp_path / "l.json"
+    save_trace(synth_trace(num_experts=16, top_k=2, num_tokens=8000, clustering=0.8, seed=5), trace)
+    save_layout(contiguous_layout(16, 2, 2), layout)
+    base = ["simulate", "--trace", str(trace), "--layout", str(layout), "--replay", "--json"]
+    migrations = []
+    for sizes in ([], ["--expert-params", "1000", "--hidden-bytes", "256"]):
+        assert main([*base, *sizes]) == 0
+        migrations.append(json.loads(capsys.readouterr().out)["migrations"])
+    assert migrations[0] == 0 < migrations[1]  # a 17.3M-parameter expert never pays on this trace; a tiny one does
 
 
 def test_report_and_compare_name_bad_files(tmp_path, capsys):
