@@ -38,7 +38,7 @@ class TrafficConfig(_Section):
 class TraceConfig(_Section):
     """Record the routing of optimizer steps [start_step, start_step + steps) to `path` (DESIGN.md trace format)."""
 
-    path: str | None = None
+    path: str | None = Field(default=None, min_length=1)
     steps: int = Field(default=20, gt=0)
     start_step: int = Field(default=0, ge=0)
 

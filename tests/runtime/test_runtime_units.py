@@ -139,6 +139,8 @@ def test_config_split_keeps_deepspeed_keys(tmp_path) -> None:
         split_deepspeed_config(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="group_timeout_s"):
         parse_cobalt_config({"topology": {"group_timeout_s": float("inf")}})
+    with pytest.raises(ValueError, match="cobalt.trace.path"):
+        parse_cobalt_config({"trace": {"path": ""}})
 
 
 def test_layout_errors_name_the_problem() -> None:
