@@ -413,6 +413,7 @@ def _timeline_replanner(layers: list, cfg):
     hook._planner, hook._apply_at, hook._mine, hook._deferred_from, hook.stats_since_step = None, None, [], None, 0
     hook._interval, hook._early = cfg.replan_interval, cfg.early_replan_steps
     hook.dense_skips, hook.deferred, hook.history, hook._owners_stay = [], [], [], []
+    hook._positions, hook._all_layers = list(range(len(layers))), len(layers)
     return hook
 
 
@@ -572,7 +573,7 @@ def test_replan_apply_confirms_a_migration_on_the_rows_routed_since_its_sample(m
     def apply(pairs: list[list[int]], since: int = 10, fallback=None, owners_stay=(), **planner) -> list:
         stats = DeviceRoutingStats(8, 2, sample_tokens=256)
         stats.update(torch.tensor(pairs * (256 // len(pairs))))
-        layer = types.SimpleNamespace(stats=stats, layout_slots=current, num_experts=8,
+        layer = types.SimpleNamespace(stats=stats, layout_slots=current, num_experts=8, num_local_experts=2,
                                       topology=types.SimpleNamespace(world_size=4, ranks_per_node=2))
         hook = _timeline_replanner([layer], PlannerConfig(redundant_slots=1, sample_tokens=256, **planner))
         hook.link, hook._skipped, hook._start_s, hook._submit_error = LinkModel(expert_params=10), [], {}, None
@@ -647,9 +648,11 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 
     def apply(actions: list[int], before_trials: bool) -> list[str]:
         events: list[str] = []
-        layers = [types.SimpleNamespace(layout_slots=current, num_experts=8, topology=types.SimpleNamespace(
-            world_size=4, ranks_per_node=2), set_layout=lambda slots, i=i: events.append(f"layout {i}"),
-            restart_trials=lambda i=i: events.append(f"restart {i}")) for i in range(len(actions))]
+        layers = [types.SimpleNamespace(layout_slots=current, num_experts=8, num_local_experts=2,
+                                        topology=types.SimpleNamespace(world_size=4, ranks_per_node=2),
+                                        set_layout=lambda slots, i=i: events.append(f"layout {i}"),
+                                        restart_trials=lambda i=i: events.append(f"restart {i}"))
+                  for i in range(len(actions))]
         hook = _timeline_replanner(layers, PlannerConfig(redundant_slots=1, confirm_on_newer_routing=False))
         hook._skipped, hook._submit_error = [], None
         hook._start_s = {"before_trials": True} if before_trials else {}
