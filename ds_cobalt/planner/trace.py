@@ -133,7 +133,7 @@ def load_trace(path: str | Path) -> Trace:
     with open(path, "rb") as f:
         magic = f.read(6)
     if not magic.startswith((b"PK", b"\x93NUMPY")):  # a zip archive (.npz) or a numpy array file
-        raise ValueError(f"trace {path}: not an .npz archive (it starts with {magic!r})")
+        raise ValueError(f"trace {path}: not a readable .npz file (not an .npz archive: it starts with {magic!r})")
     try:
         data = np.load(path, allow_pickle=False)
     except Exception as err:  # noqa: BLE001 - np.load raises many types for a bad file

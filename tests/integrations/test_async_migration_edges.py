@@ -9,16 +9,14 @@ from typing import Any
 import numpy as np
 from test_migration import LAYERS, build_engine, random_owner_layout, train
 
-from ds_cobalt.planner import register_policy
-
 ONE_PER_NODE = {"topology": {"ranks_per_node": 1}, "transport": {"schedule": "hierarchical"}}
 _CALLS: list = [itertools.count()]  # plans made by this rank's policy since the last engine
 
 
-@register_policy("test_move_then_replicas")
 def move_then_replicas(inp):
     """This rank's first plan moves owners (rolled by one rank); later plans keep the owners they are given and
-    put the next rank's first owner in the spare slot (a replica-only change)."""
+    put the next rank's first owner in the spare slot (a replica-only change). Registered in the rank processes
+    only (the planner tests run every registered policy)."""
     owners = inp.current_slots_WS[:, : inp.stats.num_experts // inp.current_slots_WS.shape[0]]
     if next(_CALLS[0]) == 0:
         owners = np.roll(owners, 1, axis=0)
@@ -28,6 +26,9 @@ def move_then_replicas(inp):
 def _edges(rank: int, world: int, tmp: str) -> dict:
     from ds_cobalt import cobalt_layers
     from ds_cobalt.integrations.migration import migrate
+    from ds_cobalt.planner import register_policy
+
+    register_policy("test_move_then_replicas")(move_then_replicas)
 
     out: dict[str, Any] = {}
     # 1. load_checkpoint while an asynchronous migration is pending: the load wins, as after a plain load

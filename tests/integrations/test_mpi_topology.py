@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,12 +100,17 @@ def test_mpirun_topology(tmp_path: Path, launcher: str) -> None:
         cmd = [deepspeed_bin, "--hostfile", str(hostfile), "--no_ssh_check", "--force_multi",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--launcher", "openmpi",
                "--launcher_args", " ".join([*_MPIRUN_ARGS, "-x", "OMP_NUM_THREADS"]), *probe[1:]]  # fmt: skip
-    proc = subprocess.run(
-        cmd, check=False, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL
-    )
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    )
+    # its own session: on a timeout the whole tree goes (an orphaned rank compiling DeepSpeed's shm op would keep
+    # its build lock, and every later process loading the op would wait on it); the ranks may rebuild the op first
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past 360 s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-6000:]}"
     results = sorted(
         (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda r: r["rank"]
     )
