@@ -214,14 +214,20 @@ def run_ranks(
                 failures.append(
                     f"--- rank {rank} gave no result (exit code {p.exitcode}; killed after a peer failed?)"
                 )
-        # DeepSpeed's CPU all-reduce buffers (shm comm op) outlive the ranks: about 67 MB per rank and run in
-        # /dev/shm, which filled a 24 GB machine over a day of test runs
-        for leftover in Path("/dev/shm").glob(f"deepspeed_*_127.0.0.1_{port}_*"):
-            leftover.unlink(missing_ok=True)
+        remove_deepspeed_shm(port)
         if failures:
             head = f"run_ranks({getattr(fn, '__name__', fn)!r}, world_size={world_size})"
             raise RankError(head + (" timed out" if timed_out else " failed") + "\n" + "\n".join(failures))
         return results
+
+
+def remove_deepspeed_shm(*ports: int) -> None:
+    """Remove DeepSpeed's CPU all-reduce buffers (shm comm op) of the runs on `ports`: they outlive the ranks, about
+    67 MB per rank and run in /dev/shm, which filled a 24 GB machine over a day of test runs (and its memory: the
+    compiler then crawled and launches timed out)."""
+    for port in ports:
+        for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
+            leftover.unlink(missing_ok=True)
 
 
 def _load(path: str) -> tuple[str, Any]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, free_port, remove_deepspeed_shm
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +61,7 @@ def test_sigkilled_rank_ends_the_job_and_is_named(tmp_path: Path, kill_at: str) 
         if proc.poll() is None:
             proc.kill()
         out = proc.communicate()[0]
-        # DeepSpeed's CPU shared-memory comm buffers of killed ranks stay in /dev/shm (about 60 MB each)
-        for leftover in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
-            leftover.unlink(missing_ok=True)
+        remove_deepspeed_shm(port)
     log = out[-6000:]
     assert ended, f"the job still ran {DEADLINE_S} s after rank 1 died:\n{log}"
     assert proc.returncode != 0, log

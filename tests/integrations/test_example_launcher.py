@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, free_port, remove_deepspeed_shm
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _launch(impl: str, out_dir: Path) -> dict[str, Any]:
     assert deepspeed_bin, "the deepspeed launcher is not on PATH (pip install -e .[test])"
     metrics = out_dir / f"metrics_{impl}.json"
     cmd = [
-        deepspeed_bin, "--num_gpus", "4", "--master_port", str(free_port()),
+        deepspeed_bin, "--num_gpus", "4", "--master_port", str(port := free_port()),
         str(REPO_ROOT / "examples" / "train_moe.py"),
         "--deepspeed_config", str(CONFIG),
         "--moe-impl", impl, "--steps", str(STEPS), "--seed", str(SEED),
@@ -43,10 +43,13 @@ def _launch(impl: str, out_dir: Path) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        remove_deepspeed_shm(port)
     log = (proc.stdout + proc.stderr)[-8000:]
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{log}"
     assert metrics.exists(), f"no metrics written:\n{log}"

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, free_port, remove_deepspeed_shm
 
 D, VOCAB = 16, 32
 
@@ -113,15 +113,19 @@ def _launch_example(tmp_path: Path, name: str, config: Path, *extra: str) -> dic
     deepspeed_bin = str(beside) if beside.exists() else shutil.which("deepspeed")
     assert deepspeed_bin, "the deepspeed launcher is not on PATH (pip install -e .[test,hf])"
     metrics = tmp_path / f"{name}.json"
-    cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(free_port()),
+    port = free_port()
+    cmd = [deepspeed_bin, "--num_gpus", "4", "--master_port", str(port),
            str(REPO_ROOT / "examples" / "hf_trainer_mixtral.py"), "--deepspeed", str(config),
            "--steps", str(STEPS), "--output-dir", str(tmp_path / name), "--metrics-out", str(metrics),
            *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=420,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+    finally:
+        remove_deepspeed_shm(port)
     log = (proc.stdout + proc.stderr)[-8000:]
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{log}"
     assert "=== hf_trainer_mixtral report" in proc.stdout, log

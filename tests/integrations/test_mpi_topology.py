@@ -83,12 +83,13 @@ def test_mpirun_topology(tmp_path: Path, launcher: str) -> None:
     if mpirun is None:
         pytest.skip("mpirun not found (apt-get install openmpi-bin; scripts/setup.sh does it as root)")
     pytest.importorskip("mpi4py")
-    from conftest import REPO_ROOT, free_port
+    from conftest import REPO_ROOT, free_port, remove_deepspeed_shm
 
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    probe = [sys.executable, __file__, str(tmp_path), str(free_port())]
+    ports = (free_port(), free_port())  # the probe's, and the runner's master port
+    probe = [sys.executable, __file__, str(tmp_path), str(ports[0])]
     # --stdin none: with stdin forwarded from /dev/null (as under pytest), the ranks stall about a minute
     if launcher == "mpirun":
         cmd = [mpirun, *_MPIRUN_ARGS, "-np", "4", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", *probe]
@@ -98,7 +99,7 @@ def test_mpirun_topology(tmp_path: Path, launcher: str) -> None:
         beside = Path(sys.executable).with_name("deepspeed")
         deepspeed_bin = str(beside) if beside.exists() else shutil.which("deepspeed")
         cmd = [deepspeed_bin, "--hostfile", str(hostfile), "--no_ssh_check", "--force_multi",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--launcher", "openmpi",
+               "--master_addr", "127.0.0.1", "--master_port", str(ports[1]), "--launcher", "openmpi",
                "--launcher_args", " ".join([*_MPIRUN_ARGS, "-x", "OMP_NUM_THREADS"]), *probe[1:]]  # fmt: skip
     # its own session: on a timeout the whole tree goes (an orphaned rank compiling DeepSpeed's shm op would keep
     # its build lock, and every later process loading the op would wait on it); the ranks may rebuild the op first
@@ -108,8 +109,11 @@ def test_mpirun_topology(tmp_path: Path, launcher: str) -> None:
         output, _ = proc.communicate(timeout=360)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path)], check=False)  # ranks mpirun put in groups of their own
         output, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} ran past 360 s:\n{output[-6000:]}")
+    finally:
+        remove_deepspeed_shm(*ports)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{output[-6000:]}"
     results = sorted(
         (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")), key=lambda r: r["rank"]
