@@ -128,7 +128,7 @@ def logical_order(engine: Any, purpose: str = "logical order") -> Iterator[None]
         report = migrate(engine, targets, reason=f"{purpose}: to logical order")
         if not report.ok:
             raise LogicalOrderError(f"ds_cobalt: could not migrate to logical expert order for {purpose} "
-                               f"({report.error or 'failed on another rank'})")
+                                    f"({report.error or 'failed on another rank'})")
     try:
         yield
     finally:
