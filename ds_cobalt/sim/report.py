@@ -24,6 +24,7 @@ from ..planner.assign import assign_tasks
 from ..planner.layout import LAYOUT_FORMAT, Layout, contiguous_layout, load_layout
 from ..planner.stats import count_routing
 from ..planner.trace import Trace, load_trace
+from .run_metrics import check_run_metrics
 
 __all__ = ["find_inputs", "render_report"]
 
@@ -58,10 +59,7 @@ def find_inputs(run_dir: str | Path) -> dict:
                     raise ValueError(f"report: {path} is not JSON ({err})") from None
                 continue  # some other file
             if isinstance(data, dict) and "step_times_s" in data:
-                missing = [k for k in METRICS_KEYS if k not in data]
-                if missing:
-                    raise ValueError(f"report: {path} lacks {', '.join(missing)} (examples/train_moe.py "
-                                     "--metrics-out writes them)")
+                check_run_metrics(data, path, METRICS_KEYS)
                 name = path.parent.name if path.stem == "metrics" and path.parent != root else path.stem
                 found["metrics"][name] = data
                 if (path.parent / "links.json").is_file() and path.parent != root:

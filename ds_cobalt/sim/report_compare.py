@@ -36,6 +36,7 @@ from ..planner.layout import Layout, contiguous_layout, layout_from_dict
 from ..planner.trace import load_trace
 from .cluster import predict_step_times
 from .hardware import Hardware, ModelShape, parse_rate
+from .run_metrics import check_run_metrics
 
 __all__ = ["load_runs", "compare_runs", "format_comparison", "measured_step_s", "sim_variant"]
 
@@ -79,12 +80,7 @@ def _read_metrics(path: Path) -> dict:
         metrics = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not a JSON file ({err})") from None
-    missing = [k for k in METRICS_KEYS if not isinstance(metrics, dict) or k not in metrics]
-    if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)} (examples/train_moe.py --metrics-out writes them)")
-    if not metrics["step_times_s"]:
-        raise ValueError(f"{path}: step_times_s is empty")
-    return metrics
+    return check_run_metrics(metrics, path, METRICS_KEYS)
 
 
 def _shape(metrics: dict) -> ModelShape:
