@@ -12,6 +12,11 @@ deaths after it are mostly the launcher stopping the rest and are not logged, no
 exception checks once more before the traceback. Ranks on other hosts are not checked (their host's ranks
 report them). Linux only (`/proc`); elsewhere nothing is watched.
 
+A zombie lasts only until the launcher reaps it (DeepSpeed's `launch.py` polls its ranks once a second), so the
+watcher also holds a pidfd per peer (`os.pidfd_open`) and wakes the moment one exits rather than at its next
+poll. If the launcher still reaped the peer first, the failing rank's exception names it as `exited before this
+rank failed` (its exit status is gone by then); without pidfds (kernels before 5.3) that case goes unnamed.
+
 `install` also destroys the process groups at a clean interpreter exit (an `atexit` handler; a script that calls
 `destroy_process_group` itself is left alone). Without it gloo can abort the exiting rank with "terminate called
 without an active exception" (SIGABRT, exit status 250 through DeepSpeed's launcher): its worker threads still
@@ -24,6 +29,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -46,6 +52,9 @@ class Peer:
 
 
 _PEERS: list[Peer] = []
+_PIDFDS: dict[int, Peer] = {}  # pidfd -> a peer on this host, until it signals the peer's exit
+_EXITED: list[Peer] = []  # peers on this host whose pidfd signalled an exit, in order
+_LOCK = threading.Lock()
 _REPORTED: set[int] = set()  # ranks already logged
 _FAILED: list[str] = []  # the uncaught exception this process is exiting with, if any
 
@@ -65,19 +74,42 @@ def _death(pid: int) -> str | None:
     return f"exit status {status >> 8}" if status >> 8 else None
 
 
-def _check(reason: str | None = None) -> Peer | None:
+def _wait_exits(timeout_s: float) -> None:
+    """Wait up to `timeout_s` for a peer's pidfd to signal its exit; record every peer that exited."""
+    with _LOCK:
+        fds = list(_PIDFDS)
+    if not fds:
+        time.sleep(timeout_s)
+        return
+    poller = select.poll()  # not select.select: a pidfd may be numbered above FD_SETSIZE
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ready = poller.poll(timeout_s * 1000)
+    with _LOCK:
+        for fd, _ in ready:
+            if fd in _PIDFDS:
+                _EXITED.append(_PIDFDS.pop(fd))
+                os.close(fd)
+
+
+def _check(reason: str | None = None, wait_s: float = 0.0) -> Peer | None:
     """Log the first dead peer of this host (once per process: the deaths after it are mostly the launcher
-    stopping the rest); returns it."""
+    stopping the rest); returns it. With a `reason` (this rank is failing), a peer that exited but was reaped
+    before its status could be read is named too. `wait_s`: how long to wait for a peer's exit to show."""
     if _REPORTED:
         return None
+    _wait_exits(wait_s)
     host, me = socket.gethostname(), os.getpid()
     dead = [(p, death) for p in _PEERS if p.host == host and p.pid != me and (death := _death(p.pid)) is not None]
     # SIGTERM is how the launcher stops the others after the first death: those are not the news
-    dead = [(p, death) for p, death in dead if death != "killed by SIGTERM"]
-    for p, death in dead[:1]:
+    dead = [(p, f"died ({death})") for p, death in dead if death != "killed by SIGTERM"]
+    if not dead and reason:
+        dead = [(p, "exited before this rank failed (reaped by its launcher before its exit status could be read)")
+                for p in _EXITED[:1] if not os.path.exists(f"/proc/{p.pid}")]
+    for p, what in dead[:1]:
         _REPORTED.add(p.rank)
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        message = (f"ds_cobalt: rank {p.rank} (local rank {p.local_rank}, pid {p.pid}) on {p.host} died ({death}); "
+        message = (f"ds_cobalt: rank {p.rank} (local rank {p.local_rank}, pid {p.pid}) on {p.host} {what}; "
                    f"seen by rank {rank}" + (f" ({reason})" if reason else ""))
         _log.error(message)
         print(message, file=sys.stderr, flush=True)
@@ -85,10 +117,19 @@ def _check(reason: str | None = None) -> Peer | None:
     return None
 
 
+def _open_pidfds() -> None:
+    host, me = socket.gethostname(), os.getpid()
+    for p in _PEERS:
+        if p.host == host and p.pid != me:
+            try:
+                _PIDFDS[os.pidfd_open(p.pid)] = p
+            except (AttributeError, OSError):  # no pidfds here (kernel < 5.3, seccomp) or already gone
+                pass
+
+
 def _watch(interval_s: float) -> None:
-    while not _REPORTED:
-        _check()
-        time.sleep(interval_s)
+    while _check() is None and not _REPORTED:
+        _wait_exits(interval_s)  # returns at once when a peer exits
 
 
 def _destroy_groups_at_exit() -> None:
@@ -112,9 +153,11 @@ def install(interval_s: float = 0.05) -> None:
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         _FAILED.append(kind.__name__)
         if os.path.isdir("/proc"):
-            _check(f"{kind.__name__}: {value}".splitlines()[0][:200])
+            # a peer's sockets close before it turns into a zombie: give its exit a moment to show
+            _check(f"{kind.__name__}: {value}".splitlines()[0][:200], wait_s=0.5)
         previous_hook(kind, value, tb)
 
     sys.excepthook = excepthook
     if os.path.isdir("/proc"):
+        _open_pidfds()
         threading.Thread(target=_watch, args=(interval_s,), name="ds_cobalt-peer-watch", daemon=True).start()

@@ -66,7 +66,9 @@ def test_sigkilled_rank_ends_the_job_and_is_named(tmp_path: Path, kill_at: str) 
     assert ended, f"the job still ran {DEADLINE_S} s after rank 1 died:\n{log}"
     assert proc.returncode != 0, log
     assert "finished without a kill" not in out, log
-    assert "ds_cobalt: rank 1 (local rank 1" in out and "died (killed by SIGKILL)" in out, log
+    # the SIGKILL is named unless the launcher reaped rank 1 before any peer read its status (then "exited before")
+    assert "ds_cobalt: rank 1 (local rank 1" in out, log
+    assert "died (killed by SIGKILL)" in out or "exited before this rank failed" in out, log
     assert "ds_cobalt: rank 0 " not in out and "ds_cobalt: rank 2 " not in out, log  # only the killed rank
 
 
@@ -110,3 +112,35 @@ def test_groups_are_destroyed_at_a_clean_exit_only(how: str) -> None:
     assert proc.returncode == (0 if how == "clean" else 1), proc.stderr[-2000:]
     # after an uncaught exception a dead peer could make waiting for pending work block: left alone
     assert f"groups left at exit: {how == 'raise'}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_peer_watch_wakes_on_an_exit_and_names_a_peer_reaped_before_it_looked(monkeypatch, capsys) -> None:
+    import signal
+    import socket
+    import threading
+
+    from ds_cobalt.integrations import peer_watch
+
+    host = socket.gethostname()
+    first, second = subprocess.Popen(["sleep", "30"]), subprocess.Popen(["sleep", "30"])
+    monkeypatch.setattr(peer_watch, "_PEERS", [peer_watch.Peer(1, 1, host, first.pid),
+                                               peer_watch.Peer(2, 0, host, second.pid)])
+    for name, empty in (("_PIDFDS", {}), ("_EXITED", []), ("_REPORTED", set())):
+        monkeypatch.setattr(peer_watch, name, empty)
+    peer_watch._open_pidfds()
+    watcher = threading.Thread(target=peer_watch._watch, args=(60.0,), daemon=True)
+    watcher.start()
+    time.sleep(0.3)  # the watcher has polled once and waits: only the exit itself can wake it
+    os.kill(first.pid, signal.SIGKILL)
+    watcher.join(10)
+    first.wait()
+    assert not watcher.is_alive() and peer_watch._REPORTED == {1}
+    assert f"rank 1 (local rank 1, pid {first.pid}) on {host} died (killed by SIGKILL)" in capsys.readouterr().err
+
+    peer_watch._REPORTED.clear()
+    peer_watch._EXITED.clear()  # the second case starts with nothing seen
+    second.kill()
+    second.wait()  # reaped at once, as a launcher can: no zombie left to read
+    assert peer_watch._check("RuntimeError: Connection closed by peer") is not None
+    err = capsys.readouterr().err
+    assert f"rank 2 (local rank 0, pid {second.pid}) on {host} exited before this rank failed" in err, err
