@@ -15,7 +15,8 @@ report them). Linux only (`/proc`); elsewhere nothing is watched.
 A zombie lasts only until the launcher reaps it (DeepSpeed's `launch.py` polls its ranks once a second), so the
 watcher also holds a pidfd per peer (`os.pidfd_open`) and wakes the moment one exits rather than at its next
 poll. If the launcher still reaped the peer first, the failing rank's exception names it as `exited before this
-rank failed` (its exit status is gone by then); without pidfds (kernels before 5.3) that case goes unnamed.
+rank failed` (its exit status is gone by then), provided it is the only peer that exited; without pidfds (kernels
+before 5.3) that case goes unnamed.
 
 `install` also destroys the process groups at a clean interpreter exit (an `atexit` handler; a script that calls
 `destroy_process_group` itself is left alone). Without it gloo can abort the exiting rank with "terminate called
@@ -103,9 +104,9 @@ def _check(reason: str | None = None, wait_s: float = 0.0) -> Peer | None:
     dead = [(p, death) for p in _PEERS if p.host == host and p.pid != me and (death := _death(p.pid)) is not None]
     # SIGTERM is how the launcher stops the others after the first death: those are not the news
     dead = [(p, f"died ({death})") for p, death in dead if death != "killed by SIGTERM"]
-    if not dead and reason:
+    if not dead and reason and len(_EXITED) == 1:  # with several gone, which went first is not known
         dead = [(p, "exited before this rank failed (reaped by its launcher before its exit status could be read)")
-                for p in _EXITED[:1] if not os.path.exists(f"/proc/{p.pid}")]
+                for p in _EXITED if not os.path.exists(f"/proc/{p.pid}")]
     for p, what in dead[:1]:
         _REPORTED.add(p.rank)
         rank = dist.get_rank() if dist.is_initialized() else "?"

@@ -122,9 +122,10 @@ def test_peer_watch_wakes_on_an_exit_and_names_a_peer_reaped_before_it_looked(mo
     from ds_cobalt.integrations import peer_watch
 
     host = socket.gethostname()
-    first, second = subprocess.Popen(["sleep", "30"]), subprocess.Popen(["sleep", "30"])
+    first, second, third = (subprocess.Popen(["sleep", "30"]) for _ in range(3))
     monkeypatch.setattr(peer_watch, "_PEERS", [peer_watch.Peer(1, 1, host, first.pid),
-                                               peer_watch.Peer(2, 0, host, second.pid)])
+                                               peer_watch.Peer(2, 0, host, second.pid),
+                                               peer_watch.Peer(3, 1, host, third.pid)])
     for name, empty in (("_PIDFDS", {}), ("_EXITED", []), ("_REPORTED", set())):
         monkeypatch.setattr(peer_watch, name, empty)
     peer_watch._open_pidfds()
@@ -144,3 +145,8 @@ def test_peer_watch_wakes_on_an_exit_and_names_a_peer_reaped_before_it_looked(mo
     assert peer_watch._check("RuntimeError: Connection closed by peer") is not None
     err = capsys.readouterr().err
     assert f"rank 2 (local rank 0, pid {second.pid}) on {host} exited before this rank failed" in err, err
+
+    peer_watch._REPORTED.clear()
+    third.kill()
+    third.wait()  # two peers gone, both reaped: which went first is not known, so none is named
+    assert peer_watch._check("RuntimeError: Connection closed by peer") is None
