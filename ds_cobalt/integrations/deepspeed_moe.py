@@ -19,6 +19,8 @@ from ..runtime.layer import ExpertBinding, LayerCore, Piece
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from .layers import CoreAccess
 
+ONE_RANK = EPGroups(Topology(1, 1, 0), (0,), None, None, None)  # a layer on its own: every exchange a local copy
+
 
 class MoE(CoreAccess, DeepSpeedMoE):
     """Drop-in for `deepspeed.moe.layer.MoE`.
@@ -45,10 +47,8 @@ class MoE(CoreAccess, DeepSpeedMoE):
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
         self.cobalt_config = cobalt_config or CobaltConfig()
-        self.cobalt_core = LayerCore(
-            num_experts=num_experts, top_k=k, owner_slots=self.num_local_experts, model_dim=hidden_size,
-            settings=self.cobalt_config, owner=self, pieces=self.expert_state_pieces,
-            device=lambda: self.deepspeed_moe.gate.wg.weight.device)
+        self.cobalt_core = self._new_core()
+        self._early_core: LayerCore | None = None  # `_forward_core`
 
     # ----- setup -----------------------------------------------------------------------------------
     def configure_cobalt(self, config: CobaltConfig) -> None:
@@ -62,10 +62,30 @@ class MoE(CoreAccess, DeepSpeedMoE):
         self.cobalt_core.attach(build_ep_groups(self.deepspeed_moe.ep_group, ranks_per_node,
                                                      self.cobalt_config.topology.group_timeout_s))
 
+    def _new_core(self) -> LayerCore:
+        return LayerCore(num_experts=self.num_experts, top_k=self.deepspeed_moe.gate.k,
+                         owner_slots=self.num_local_experts, model_dim=self.model_dim, settings=self.cobalt_config,
+                         owner=self, pieces=self.expert_state_pieces,
+                         device=lambda: self.deepspeed_moe.gate.wg.weight.device)
+
     def _ensure_groups(self) -> None:
         """A one-rank layer used without `deepspeed.initialize` gets a group of its own."""
         if not self.cobalt_core.attached and self.ep_size == 1 and not (dist.is_available() and dist.is_initialized()):
-            self.cobalt_core.attach(EPGroups(Topology(1, 1, 0), (0,), None, None, None))
+            self.cobalt_core.attach(ONE_RANK)
+
+    def _forward_core(self) -> LayerCore:
+        """The core that runs this forward. A one-rank layer that runs before `deepspeed.initialize` gave it its
+        groups while torch.distributed is up (DeepSpeed's layer runs it too: a sanity pass, a tracing pass) gets
+        a throwaway core on a group of its own, so that `configure_cobalt` and the groups still come later;
+        nothing that core records (statistics, counters, schedule choices) is kept."""
+        self._ensure_groups()
+        if self.cobalt_core.attached or self.ep_size != 1:
+            self._early_core = None
+            return self.cobalt_core
+        if self._early_core is None or self._early_core.settings is not self.cobalt_config:
+            self._early_core = self._new_core()
+            self._early_core.attach(ONE_RANK)
+        return self._early_core
 
     @property
     def topology(self) -> Topology:
@@ -75,7 +95,6 @@ class MoE(CoreAccess, DeepSpeedMoE):
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._ensure_groups()
         moe = self.deepspeed_moe
         d_model = hidden_states.shape[-1]
         x_TD = hidden_states.reshape(-1, d_model)
@@ -87,8 +106,8 @@ class MoE(CoreAccess, DeepSpeedMoE):
         experts = list(moe.experts.deepspeed_experts)
         binding = ExpertBinding(experts[0], tuple(name for name, _ in experts[0].named_parameters()),
                                 [tuple(expert.parameters()) for expert in experts], experts)
-        output = self.cobalt_core.run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
-                                      locations_KT.t(), training=self.training)
+        output = self._forward_core().run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
+                                          locations_KT.t(), training=self.training)
         output = output.reshape(hidden_states.shape)
 
         if self.use_residual:
