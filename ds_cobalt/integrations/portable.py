@@ -58,6 +58,7 @@ from deepspeed.utils import logger
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..planner.layout import is_json_int
 from .deepspeed_moe import MoE
 from .expert_state import ExpertStateIO, Piece, relink_optimizer_state
 
@@ -266,10 +267,6 @@ def _read_v2(directory: str, files: dict[str, dict[int, str]]) -> PortableState:
                          global_steps=first["global_steps"])
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -302,16 +299,16 @@ def _read_manifest(directory: str, rank: int, why: str) -> dict:
         raise ValueError(f"portable state: {path} is not a ds_cobalt portable-state manifest (format {found!r}, "
                          f"expected {FORMAT!r})")
     _check_fields(data, path, {
-        "rank": (lambda v: v == rank and _is_int(v), f"{rank}, the rank in the file name"),
-        "world_size": (lambda v: _is_int(v) and v > rank, f"an int > {rank}"),
+        "rank": (lambda v: v == rank and is_json_int(v), f"{rank}, the rank in the file name"),
+        "world_size": (lambda v: is_json_int(v) and v > rank, f"an int > {rank}"),
         "save_id": (lambda v: isinstance(v, str), "a string"),
         "tensors": (lambda v: v == tensors_name, repr(tensors_name)),
-        "tensors_bytes": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        "tensors_bytes": (lambda v: is_json_int(v) and v >= 0, "an int >= 0"),
         "keys": (lambda v: _is_str_list(v) and len(set(v)) == len(v), "a list of distinct strings"),
         "fields": (lambda v: isinstance(v, dict) and set(v) == set(data["keys"])
                    and all(_is_str_list(f) for f in v.values()), "{key: [field, ...]} for every key in 'keys'"),
         "group_steps": (lambda v: isinstance(v, list) and all(_is_number(s) for s in v), "a list of numbers"),
-        "global_steps": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+        "global_steps": (lambda v: is_json_int(v) and v >= 0, "an int >= 0"),
     })
     data["group_steps"] = [float(s) for s in data["group_steps"]]
     return data
@@ -368,14 +365,14 @@ def _read_v1(directory: str, files: dict[int, str]) -> PortableState:
             raise ValueError(f"portable state: {path} is not a ds_cobalt portable-state file (format {found!r}, "
                              f"expected {LEGACY_FORMAT!r})")
         _check_fields(payload, path, {
-            "rank": (_is_int, "an int"),
+            "rank": (is_json_int, "an int"),
             "rows": (lambda v: isinstance(v, dict) and all(
                 isinstance(k, str) and torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 1
                 for k, t in v.items()), "{key: 1-D float32 tensor}"),
             "fields": (lambda v, payload=payload: isinstance(v, dict) and set(v) == set(payload["rows"])
                        and all(_is_str_list(f) for f in v.values()), "{key: [field, ...]} for every row"),
             "group_steps": (lambda v: isinstance(v, list) and all(_is_number(s) for s in v), "a list of numbers"),
-            "global_steps": (_is_int, "an int"),
+            "global_steps": (is_json_int, "an int"),
         })
         rows.update(payload["rows"])
         fields.update(payload["fields"])

@@ -203,7 +203,8 @@ def load_layout(path: str | Path) -> Layout:
     return layout_from_dict(data, source=str(path))
 
 
-def _is_int(value: object) -> bool:
+def is_json_int(value: object) -> bool:
+    """An int read from JSON (`True` is not one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -216,7 +217,7 @@ def layout_from_dict(data: dict, source: str = "layout") -> Layout:
         if key not in data:
             raise ValueError(f"{source}: missing key {key!r}")
     for key in ("num_experts", "nodes", "gpus_per_node", "slots_per_gpu"):
-        if not _is_int(data[key]) or data[key] < 1:
+        if not is_json_int(data[key]) or data[key] < 1:
             raise ValueError(f"{source}: {key!r} must be an int >= 1, got {data[key]!r}")
     layers = data["layers"]
     if not isinstance(layers, list) or not layers:
@@ -231,7 +232,7 @@ def layout_from_dict(data: dict, source: str = "layout") -> Layout:
         for r, row in enumerate(slots):
             if not isinstance(row, list) or len(row) != S:
                 raise ValueError(f"{source}: layers[{i}].slots[{r}] must have slots_per_gpu={S} entries")
-            bad = [v for v in row if not _is_int(v)]
+            bad = [v for v in row if not is_json_int(v)]
             if bad:
                 raise ValueError(f"{source}: layers[{i}].slots[{r}] holds {bad[0]!r}; slots are expert ids (ints) or "
                                  "-1")
