@@ -463,7 +463,8 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     """`ScheduleGate` (one process, stand-in layers): after step 1 it marks whether the model's saving is material
     to a step (the plan before the trials) and, where it is not, has dense run the rest of the warm-up; when the
     warm-ups end it settles the layers on dense where the saving is immaterial against their longest warm-up window
-    (nothing where it matters); idle after the first choices."""
+    (nothing where it matters); idle after the first choices. A material verdict stands: a warm-up restarted by a
+    new layout (one slow step after a migration) is not checked again."""
     import types
 
     from ds_cobalt.integrations import schedule_gate
@@ -475,6 +476,7 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
             self.owner_moves_priced = False
             self.groups = types.SimpleNamespace(ep_group=None)
             self.dense_warm_up_from: int | None = None
+            self.due_steps = (3,)
 
         def warm_up_on_dense(self) -> None:
             self.dense_warm_up_from = self.step + 1
@@ -485,7 +487,7 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
 
         @property
         def first_trials_due(self) -> bool:
-            return self.dense_contested and self.step == 3
+            return self.dense_contested and self.step in self.due_steps
 
         def predicted_dense_gaps(self) -> tuple[float, float]:
             return self.gap, self.gap
@@ -493,13 +495,16 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
         def settle_dense(self, share: float) -> None:
             self.first_schedule_chosen, self.settled = True, share
 
-    def run(gaps: list[float], windows: list[float]) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
+    def run(gaps: list[float], windows: list[float], windows_from: dict[int, list[float]] | None = None,
+            due_steps: tuple[int, ...] = (3,)) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
+        """`windows_from`: the layers' warm-up windows from a step on."""
         layers = [Layer(gap, window) for gap, window in zip(gaps, windows)]
         gate = schedule_gate.ScheduleGate()
         gate._cores = layers
         for step in range(1, 6):
-            for layer in layers:
-                layer.step = step
+            now = [windows] + [w for first, w in sorted((windows_from or {}).items()) if first <= step]
+            for layer, window in zip(layers, now[-1]):
+                layer.step, layer.due_steps, layer.warmup_step_s = step, due_steps, window
             gate(types.SimpleNamespace(global_steps=step))
         return layers, gate
 
@@ -515,8 +520,17 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     assert [layer.layout_gain_material for layer in layers] == [True, True]
     assert [layer.owner_moves_priced for layer in layers] == [True, True]
     assert [layer.dense_warm_up_from for layer in layers] == [None, None]
-    assert [d["immaterial_share"] for d in gate.decisions] == [None, None]
-    assert [d["saving_share"] for d in gate.decisions] == [pytest.approx(0.1 / 0.35)] * 2
+    assert [d["immaterial_share"] for d in gate.decisions] == [None]  # the plan's verdict stands for the trials
+    assert [d["saving_share"] for d in gate.decisions] == [pytest.approx(0.1 / 0.35)]
+    # material after step 1 (0.1 of 0.35 s); the trials' check would read 0.1 of 1.1 s (the step after a migration)
+    layers, gate = run([0.05, 0.05], [0.25, 0.2], windows_from={2: [1.0, 1.0]})
+    assert [layer.settled for layer in layers] == [None, None] and len(gate.decisions) == 1
+    # no window after step 1 (nothing priced): the trials are checked and cleared (0.1 of 0.35 s); a warm-up
+    # restarted by a new layout (due again after step 4, its one step slow) is not checked again
+    layers, gate = run([0.05, 0.05], [0.0, 0.0], windows_from={2: [0.25, 0.2], 4: [1.0, 1.0]}, due_steps=(3, 4))
+    assert [(d["step"], d["for"]) for d in gate.decisions] == [(1, "plan"), (3, "trials")]
+    assert [layer.owner_moves_priced for layer in layers] == [False, False]
+    assert [layer.settled for layer in layers] == [None, None]
 
 
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
