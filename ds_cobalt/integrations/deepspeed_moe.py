@@ -80,7 +80,8 @@ class MoE(CoreAccess, DeepSpeedMoE):
         nothing that core records (statistics, counters, schedule choices) is kept."""
         self._ensure_groups()
         if self.cobalt_core.attached or self.ep_size != 1:
-            self._early_core = None
+            if self._early_core is not None:  # every forward: no module attribute write once it is gone
+                self._early_core = None
             return self.cobalt_core
         if self._early_core is None or self._early_core.settings is not self.cobalt_config:
             self._early_core = self._new_core()
