@@ -2,10 +2,11 @@
 
 Run once per set of groups (cached), on every rank of the EP group at the same point (it is collective):
 - fixed cost: an all-to-all of one int64 per peer over the EP group;
-- across nodes: an all-to-all of `probe_bytes` per peer on the rail group (ranks with this local index on
-  every node), bytes/s = bytes this rank sends / (time - fixed cost), 4x larger until the transfer takes
-  `TRANSFER_OVER_FIXED` times the fixed cost (at most `max_bytes`);
-- inside a node: the same on the node group.
+- across nodes: an all-to-all over the EP group of `probe_bytes` to each peer on another node (none to this
+  node's ranks), so all ranks of a node load its link at once, as the exchanges do; bytes/s = bytes this rank
+  sends / (time - fixed cost), 4x larger until the transfer takes `TRANSFER_OVER_FIXED` times the fixed cost (at
+  most `max_bytes`);
+- inside a node: `probe_bytes` to each peer on the node group, likewise.
 Each is the fastest of `repeats` timed calls after one warm-up: on a shared machine other work only ever slows a
 call down, so the fastest is the link's own time (the median of 3 moved 2x between jobs at loopback here, and the
 cost model then priced dense's extra bytes as a clear loss). The slowest rank's numbers are agreed by one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,18 +52,22 @@ class LinkCosts:
         return asdict(self)
 
 
-def _timed_all_to_all(numel: int, group: dist.ProcessGroup | None, device: torch.device, repeats: int) -> float:
+def _timed_all_to_all(numel: int, group: dist.ProcessGroup | None, device: torch.device, repeats: int,
+                      to_peer: Sequence[bool] | None = None) -> float:
+    """Fastest of `repeats` timed all-to-alls (after one warm-up) of `numel` bytes to each peer of `group`, or
+    only to the group ranks where `to_peer` is true (and from them: `to_peer` must be symmetric)."""
     peers = group_size(group)
     if group is None or peers == 1:
         return 0.0
-    send = torch.zeros(numel * peers, dtype=torch.uint8, device=device)
+    splits = [numel if send_to else 0 for send_to in (to_peer if to_peer is not None else [True] * peers)]
+    send = torch.zeros(sum(splits), dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     times = []
     for i in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # NOTE: host sync (probe only)
         start = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
+        dist.all_to_all_single(recv, send, splits, splits, group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:  # the first call is a warm-up
@@ -75,11 +81,22 @@ def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 <
     key = (groups.ep_ranks, groups.topology.ranks_per_node, probe_bytes, device.type)
     if key in _CACHE:
         return _CACHE[key]
-    stages = (groups.rail_group, groups.node_group)
+    topo = groups.topology
+    G = topo.ranks_per_node
+    # across nodes: one all-to-all over the EP group in which every rank sends to the ranks of the other nodes only
+    # (`probe_bytes / G` to each, so `probe_bytes` per other node), and all ranks of a node load its link at once,
+    # as in the exchanges: a probe on one rail group read up to 2x the rate where the other rails' calls did not
+    # overlap it; inside a node: the node group
+    other_node = [r // G != topo.node for r in range(topo.world_size)]
+    stages = ((groups.ep_group if topo.nodes > 1 else None, other_node, G), (groups.node_group, None, 1))
     sizes = [probe_bytes, probe_bytes]
+
+    def timed(i: int) -> float:
+        group, to_peer, per_peer_divisor = stages[i]
+        return _timed_all_to_all(max(1, sizes[i] // per_peer_divisor), group, device, repeats, to_peer)
+
     fixed = _timed_all_to_all(8, groups.ep_group, device, repeats)
-    fixed, *times = slowest_rank([fixed] + [_timed_all_to_all(n, g, device, repeats) for n, g in zip(sizes, stages)],
-                                 groups.ep_group).tolist()  # NOTE: host sync (probe only)
+    fixed, *times = slowest_rank([fixed, timed(0), timed(1)], groups.ep_group).tolist()  # NOTE: host sync (probe only)
     while True:  # every rank decides on the same agreed times, so all run the same calls
         grow = [i for i, (t, n) in enumerate(zip(times, sizes))
                 if t > 0 and t - fixed < TRANSFER_OVER_FIXED * fixed and n < max_bytes]
@@ -87,16 +104,15 @@ def probe_links(groups: EPGroups, device: torch.device, probe_bytes: int = 256 <
             break
         for i in grow:
             sizes[i] *= 4
-            times[i] = _timed_all_to_all(sizes[i], stages[i], device, repeats)
+            times[i] = timed(i)
         times = slowest_rank(times, groups.ep_group).tolist()
 
-    def rate(seconds: float, numel: int, group: dist.ProcessGroup | None) -> float:
-        peers = group_size(group) - 1
-        if peers <= 0 or seconds <= 0:
+    def rate(seconds: float, sent_bytes: int) -> float:
+        if sent_bytes <= 0 or seconds <= 0:
             return float("inf")
-        return numel * peers / max(seconds - fixed, seconds * 0.05)
+        return sent_bytes / max(seconds - fixed, seconds * 0.05)
 
-    costs = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=rate(times[0], sizes[0], stages[0]),
-                      intra_node_bytes_per_s=rate(times[1], sizes[1], stages[1]), probe_bytes=sizes[0])
+    costs = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=rate(times[0], max(1, sizes[0] // G) * sum(other_node)),
+                      intra_node_bytes_per_s=rate(times[1], sizes[1] * (G - 1)), probe_bytes=sizes[0])
     _CACHE[key] = costs
     return costs
