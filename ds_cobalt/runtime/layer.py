@@ -638,6 +638,7 @@ class LayerCore:
                 self.trace_rows.append(topk_ids_TK.detach().cpu())
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
+        fetched: list[ReplicaPlan] = []  # the replica plan this forward fetched weights for (none: no fetch)
         if schedule == DENSE:
             slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
                                     None, groups, experts.owner_modules)
@@ -652,6 +653,8 @@ class LayerCore:
             def slots_for(step_slots_WS: np.ndarray | None):
                 plan = (layout_plan if step_slots_WS is None
                         else plan_replicas_of(step_slots_WS, self.num_experts, topo.rank))
+                if plan is not None and placement.slots_per_rank > len(experts.owner_tensors):
+                    fetched.append(plan)  # `slot_experts` fetches its replicas
                 return slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
                                     plan, groups, experts.owner_modules)
 
@@ -672,7 +675,9 @@ class LayerCore:
         self.traffic.add(StepTraffic.measure(
             counts, row_bytes=row_bytes, topology=topo, experts_per_rank=placement.owner_slots_per_rank,
             rail_peer_node=rail_nodes, rail_self=topo.rank if flat else topo.node,
-            node_self=0 if flat else topo.local_rank))
+            node_self=0 if flat else topo.local_rank,
+            replica_rows=(fetched[-1].send_splits, fetched[-1].recv_splits) if fetched else ((), ()),
+            expert_bytes=sum(t.numel() * t.element_size() for t in experts.owner_tensors[0]) if fetched else 0))
         self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, topo), row_bytes)
         return out_TD
 

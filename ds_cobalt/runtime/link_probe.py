@@ -40,9 +40,9 @@ class LinkCosts:
     has no peers (one node, or one rank per node)."""
 
     fixed_s: float  # one small collective over the EP group
-    inter_node_bytes_per_s: float
+    inter_node_bytes_per_s: float  # with every rank of the node sending across at once
     intra_node_bytes_per_s: float
-    probe_bytes: int
+    probe_bytes: int  # bytes each rank sent to each other node in the last cross-node probe
 
     @property
     def inter_node_gbps(self) -> float:

@@ -4,6 +4,9 @@ The exchange reports its split sizes (`ExchangeCounts`, already on the host for 
 turns them into bytes (`StepTraffic.measure`) outside the exchange, so counting costs no extra sync.
 DeepSpeed's would-be cross-node routes are counted on the device and read only when totals are asked for.
 Backward sends the same volumes again in reverse; DeepSpeed's does too, so ratios hold for a step.
+Replica weights are in the byte counts too: each spare slot's owner sends the expert's parameters in forward and
+the replica's holder returns their gradient in backward, so a rank sends its own share of the two; it is counted
+half in each forward, so that twice the forward counters are the step, as for token rows.
 """
 
 from __future__ import annotations
@@ -52,19 +55,24 @@ class StepTraffic:
     """Bytes and rows this rank sends in one forward of one MoE layer."""
 
     inter_node_rows: int = 0  # token rows sent to other nodes: dispatch + combine return
-    inter_node_bytes: int = 0  # those rows plus route metadata and gate weights
+    inter_node_bytes: int = 0  # those rows plus route metadata and gate weights, plus the replica bytes below
     intra_node_rows: int = 0  # rows sent to other ranks of this node: dispatch + combine return
     intra_node_bytes: int = 0
     deepspeed_inter_node_bytes_padded: int = 0  # DeepSpeed's E x C buffers to ranks on other nodes
     tokens: int = 0
     expert_rows: int = 0  # rows this rank's experts computed (its share of the layer's work)
+    replica_inter_node_bytes: int = 0  # replica weights and their gradients to other nodes (module docstring)
+    replica_intra_node_bytes: int = 0  # ... to other ranks of this node
 
     @classmethod
     def measure(cls, counts: ExchangeCounts, *, row_bytes: int, topology, experts_per_rank: int,
-                rail_peer_node: Sequence[int], rail_self: int | None,
-                node_self: int) -> "StepTraffic":
+                rail_peer_node: Sequence[int], rail_self: int | None, node_self: int,
+                replica_rows: tuple[Sequence[int], Sequence[int]] = ((), ()),
+                expert_bytes: int = 0) -> "StepTraffic":
         """`rail_peer_node[p]`: the node of rail peer p; `rail_self`: this rank among the rail peers (None when
-        it is not one: the hierarchical rail holds one rank per node); `node_self`: this rank in the node stage."""
+        it is not one: the hierarchical rail holds one rank per node); `node_self`: this rank in the node stage.
+        `replica_rows`: the experts whose weights this rank sends to each EP rank in forward, and those it
+        receives from each (and returns gradients for in backward); `expert_bytes`: one expert's parameters."""
         inter_rows = inter_meta = intra_rows = intra_meta = 0
         for p, node in enumerate(rail_peer_node):
             rows, meta = counts.rail_send[p] + counts.rail_recv[p], counts.route_send[p]
@@ -77,14 +85,24 @@ class StepTraffic:
         intra_rows += node_out + sum(node_recv) - node_recv[node_self]
         remote_ranks = topology.world_size - topology.ranks_per_node
         ds_padded_rows = 2 * remote_ranks * experts_per_rank * counts.deepspeed_capacity
+        replica_inter = replica_intra = 0
+        for p, (sent, received) in enumerate(zip(*replica_rows)):
+            half = (sent + received) * expert_bytes // 2  # weights out in forward, gradients out in backward
+            if p // topology.ranks_per_node != topology.node:
+                replica_inter += half
+            elif p != topology.rank:
+                replica_intra += half
         return cls(
             inter_node_rows=inter_rows,
-            inter_node_bytes=inter_rows * row_bytes + inter_meta * META_BYTES_PER_ROUTE,
+            inter_node_bytes=inter_rows * row_bytes + inter_meta * META_BYTES_PER_ROUTE + replica_inter,
             intra_node_rows=intra_rows,
-            intra_node_bytes=intra_rows * row_bytes + intra_meta * META_BYTES_PER_ROUTE + node_out * SLOT_ID_BYTES,
+            intra_node_bytes=(intra_rows * row_bytes + intra_meta * META_BYTES_PER_ROUTE + node_out * SLOT_ID_BYTES
+                              + replica_intra),
             deepspeed_inter_node_bytes_padded=ds_padded_rows * row_bytes,
             tokens=counts.tokens,
             expert_rows=sum(node_recv),
+            replica_inter_node_bytes=replica_inter,
+            replica_intra_node_bytes=replica_intra,
         )
 
 
@@ -103,6 +121,8 @@ class TrafficCounters:
     deepspeed_inter_node_bytes_padded: int = 0
     tokens: int = 0
     expert_rows: int = 0
+    replica_inter_node_bytes: int = 0
+    replica_intra_node_bytes: int = 0
     last: StepTraffic | None = None
     _row_bytes: int = 0
     _deepspeed_remote_routes: torch.Tensor | None = field(default=None, repr=False)

@@ -262,6 +262,43 @@ def test_stage2_refills_spare_slots_from_this_forward(parity_results, name: str)
     assert refilled_any or name in ("replicas_refilled_capacity", "replicas_interval"), "nothing refilled"
 
 
+@pytest.mark.parametrize("name", ["replicas_cross_node_and_empty", "replicas_interval", "direct_replicas",
+                                  "overlap_replicas", "expert_per_rank_with_replicas"])
+def test_replica_weights_count_as_traffic(parity_results, name: str) -> None:
+    """A spare slot holding another rank's expert costs the expert's weights from its owner in forward and their
+    gradient back in backward: recount each rank's share from the slots its forward used (stage 2's refill where
+    it ran), half per forward, cross-node apart from inside the node."""
+    results = parity_results[name]
+    E, G = CASES[name]["E"], CASES[name].get("ranks_per_node", 2)
+    expert_bytes = (D * 24 + 24 + 24 * D + D) * 4  # the parity expert, fp32
+    inter_any = 0
+    for rank, res in enumerate(results):
+        slots = np.asarray(res["refilled"] if res["refilled"] is not None else res["layout"])
+        W, S = slots.shape
+        O = E // W
+        owner = np.empty(E, dtype=int)
+        owner[slots[:, :O].reshape(-1)] = np.repeat(np.arange(W), O)
+        inter = intra = 0
+        for holder in range(W):
+            for e in slots[holder, O:]:
+                if e < 0 or owner[e] == holder or rank not in (holder, owner[e]):
+                    continue
+                if owner[e] // G != holder // G:
+                    inter += 1
+                else:
+                    intra += 1
+        got = res["traffic"]
+        assert got["replica_inter_node_bytes"] == inter * expert_bytes // 2, f"rank {rank}"
+        assert got["replica_intra_node_bytes"] == intra * expert_bytes // 2, f"rank {rank}"
+        inter_any += inter
+    assert inter_any > 0  # every case holds a cross-node copy
+
+
+def test_dense_fetches_no_replica_weights(parity_results) -> None:
+    assert all(r["traffic"]["replica_inter_node_bytes"] == r["traffic"]["replica_intra_node_bytes"] == 0
+               for r in parity_results["dense_replicas_unused"])
+
+
 def test_schedule_in_use(parity_results) -> None:
     for prefix in ("direct", "dense"):
         assert all(r["schedule"] == prefix for name in CASES if name.startswith(prefix) for r in parity_results[name])
