@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"final loss            {losses[-1]:.4f} (first {losses[0]:.4f})")
         print(f"tokens/s              {tokens_per_s:.0f} ({tokens_per_step} tokens/step)")
-        print(f"cross-node bytes      {fmt_bytes(sent)} (summed over ranks, forward dispatch + combine)")
+        print(f"cross-node bytes      {fmt_bytes(sent)} "
+              "(summed over ranks, forward dispatch + combine, replica weights)")
         print(f"DeepSpeed all-to-all  {fmt_bytes(padded)} padded E x C, {fmt_bytes(dropless)} dropless")
         if load_max_over_mean is not None:
             print(f"expert load max/mean  {load_max_over_mean:.3f} over {len(rows)} ranks"
