@@ -2,8 +2,8 @@
 
 Run once per set of groups (cached), on every rank of the EP group at the same point (it is collective):
 - fixed cost: an all-to-all of one int64 per peer over the EP group;
-- across nodes: an all-to-all over the EP group of `probe_bytes` to each peer on another node (none to this
-  node's ranks), so all ranks of a node load its link at once, as the exchanges do; bytes/s = bytes this rank
+- across nodes: an all-to-all over the EP group of `probe_bytes` to each other node (split over its ranks; none
+  to this node's ranks), so all ranks of a node load its link at once, as the exchanges do; bytes/s = bytes this rank
   sends / (time - fixed cost), 4x larger until the transfer takes `TRANSFER_OVER_FIXED` times the fixed cost (at
   most `max_bytes`);
 - inside a node: `probe_bytes` to each peer on the node group, likewise.
