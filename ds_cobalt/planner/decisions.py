@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .assign import assign_tasks, remote_nodes_per_token
-from .layout import Layout, canonical_owner_order, owner_rank_of
-from .migration import LinkModel, migration_bytes, migration_worth_it
+from .layout import Layout, canonical_owner_order, cross_node_copies, owner_rank_of
+from .migration import LinkModel, copy_cost_per_token, migration_bytes, migration_worth_it
 from .owner_moves import align_owner_slots
 from .policies import LayerInput, plan_layer, replicas_for_owners
 from .stats import RoutingStats, merge_sets, topk_sets
@@ -75,10 +75,12 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     sets_MK, count_M = merge_sets(topk_sets(valid), np.ones(valid.shape[0]))
     routing = RoutingStats(E, stats.samples_TK.shape[1], decay=0.0, load_E=stats.load_E, coact_EE=stats.coact_EE,
                            sets_MK=sets_MK, count_M=count_M)
-    # Step 1: the policy's layout, owners first, owners that stay on a rank in their current slot.
+    # Step 1: the policy's layout, owners first, owners that stay on a rank in their current slot; traffic copies
+    # priced by their weights' bytes.
+    copy_cost = copy_cost_per_token(link, tokens_per_step)
     inp = LayerInput(stats=routing, topk_ids_TK=stats.samples_TK, source_rank_T=stats.source_rank_T,
                      nodes=nodes, gpus_per_node=gpus_per_node, redundant_slots=redundant_slots,
-                     current_slots_WS=current_WS, seed=seed)
+                     current_slots_WS=current_WS, seed=seed, copy_cost=copy_cost)
     slots = plan_layer(policy, inp)
     slots = canonical_owner_order(Layout(E, nodes, gpus_per_node, slots[None])).layer(0)
     slots = align_owner_slots(current_WS, slots, P)
@@ -89,9 +91,12 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     old = cross_node_per_token(stats.samples_TK, stats.source_rank_T, current_WS, gpus_per_node)
     new = cross_node_per_token(stats.samples_TK, stats.source_rank_T, slots, gpus_per_node)
     moved = int((owner_rank_of(current_WS, E) != owner_rank_of(slots, E)).sum())
-    saved_bytes, cost_bytes = migration_bytes(moved, old, new, tokens_per_step, interval, link)
+    # the migration's saving counts the change in traffic copies too (their weights cross every step)
+    copies = [int(cross_node_copies(w, E, gpus_per_node).sum()) for w in (current_WS, slots)]
+    new_priced = new + copy_cost * (copies[1] - copies[0])
+    saved_bytes, cost_bytes = migration_bytes(moved, old, new_priced, tokens_per_step, interval, link)
     saving_s = (saved_bytes - cost_bytes) / link.bytes_per_s
-    worth = migration_worth_it(moved, old, new, int(tokens_per_step), interval, link)
+    worth = migration_worth_it(moved, old, new_priced, int(tokens_per_step), interval, link)
     # The owners stay and only the spare slots are chosen (free): where the migration does not pay, and as its
     # fallback where it is not confirmed on newer routing (not needed where the user overrides the cost model).
     kept = None if ignore_cost_model and moved else (

@@ -96,6 +96,18 @@ def owner_rank_of(slots_WS: np.ndarray, num_experts: int) -> np.ndarray:
     return rank_of
 
 
+def cross_node_copies(slots_WS: np.ndarray, num_experts: int, gpus_per_node: int) -> np.ndarray:
+    """`[W, S]` bool: the spare slots of one layer holding an expert owned on another node (traffic copies: their
+    weights cross the inter-node link in every forward, their gradients in every backward)."""
+    slots_WS = np.asarray(slots_WS)
+    W = slots_WS.shape[0]
+    node_of_E = owner_rank_of(slots_WS, num_experts) // gpus_per_node
+    held = np.where(slots_WS >= 0, node_of_E[np.maximum(slots_WS, 0)], -1)
+    copies = (slots_WS >= 0) & (held != (np.arange(W) // gpus_per_node)[:, None])
+    copies[:, : num_experts // W] = False
+    return copies
+
+
 def validate_layout(layout: Layout) -> None:
     """Raise ValueError naming what is wrong with a layout."""
     slots = layout.slots_LWS

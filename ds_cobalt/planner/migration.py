@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["LinkModel", "moved_experts", "migration_bytes", "migration_worth_it"]
+__all__ = ["LinkModel", "copy_cost_per_token", "moved_experts", "migration_bytes", "migration_worth_it"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +33,16 @@ class LinkModel:
     @property
     def bytes_per_s(self) -> float:
         return self.inter_node_gbps * 1e9 / 8
+
+
+def copy_cost_per_token(link: LinkModel, tokens_per_step: float) -> float:
+    """What one traffic copy (a replica held on another node than its owner) costs per step, in cross-node tokens
+    per token: its weights cross in forward and their gradients in backward (2 x weight bytes), against 4 x
+    `token_bytes` per cross-node token (dispatch + combine, forward + backward). For a two-matrix expert of hidden
+    size D and width F at equal weight and activation sizes, about F tokens a step."""
+    if tokens_per_step <= 0:
+        return 0.0
+    return 2.0 * link.expert_params * link.weight_bytes_per_param / (4.0 * link.token_bytes) / tokens_per_step
 
 
 def moved_experts(old_node_of_E: np.ndarray, new_node_of_E: np.ndarray) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
 from .joint import refine_joint, swap_owners
-from .layout import Layout, canonical_owner_order
+from .layout import Layout, canonical_owner_order, cross_node_copies
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, _traffic_order_sets
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
@@ -40,6 +40,10 @@ class LayerInput:
     redundant_slots: int
     current_slots_WS: np.ndarray | None = None  # [W, S] the layout in use, if any
     seed: int = 0
+    # what one traffic copy (a spare slot holding an expert owned on another node) costs per step, in cross-node
+    # tokens per token: its weights cross in forward and its gradients in backward (`migration.copy_cost_per_token`);
+    # 0: free, i.e. candidates are scored on token traffic alone
+    copy_cost: float = 0.0
 
 
 Policy = Callable[[LayerInput], np.ndarray]
@@ -81,7 +85,8 @@ def _current_nodes(inp: LayerInput, E: int) -> np.ndarray | None:
 
 
 def _evaluate(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float]:
-    """(cross-node tokens per token, GPU load max/mean) of `slots_WS` on the sample tokens."""
+    """(cross-node tokens per token, traffic copies' cost included, and GPU load max/mean) of `slots_WS` on the
+    sample tokens."""
     return _evaluate_loads(inp, slots_WS)[:2]
 
 
@@ -93,7 +98,10 @@ def _evaluate_loads(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float
     dest, _ = assign_tasks(inp.topk_ids_TK, inp.source_rank_T, slots_WS, inp.gpus_per_node)
     load_W = np.bincount(dest[dest >= 0], minlength=slots_WS.shape[0])
     balance = float(load_W.max() / load_W.mean()) if load_W.sum() else 1.0
-    return float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean()), balance, load_W
+    traffic = float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean())
+    if inp.copy_cost:
+        traffic += inp.copy_cost * int(cross_node_copies(slots_WS, inp.stats.num_experts, inp.gpus_per_node).sum())
+    return traffic, balance, load_W
 
 
 @register_policy("deepspeed")

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..planner.assign import assign_tasks
-from ..planner.layout import Layout, canonical_owner_order
+from ..planner.layout import Layout, canonical_owner_order, cross_node_copies, owner_rank_of
 from ..planner.migration import LinkModel, migration_worth_it, moved_experts
 from ..planner.policies import LayerInput, cobalt_policy
 from ..planner.stage2 import max_over_mean, refill_layout, refill_node
@@ -78,7 +78,7 @@ def replay(
     for layer in range(trace.num_layers):
         topk_LTK = trace.experts_LTK[layer]
         slots = layout.layer(min(layer, layout.num_layers - 1)).copy()
-        keep = _cross_node_replicas(slots, E, G)  # stage 1's traffic copies (kept between replans)
+        keep = cross_node_copies(slots, E, G)  # stage 1's traffic copies (kept between replans)
         stats = RoutingStats(E, trace.top_k, decay=decay)
         window: list[np.ndarray] = []
         rows = []
@@ -100,7 +100,7 @@ def replay(
                 ):
                     migrations += int(moved > 0)
                     slots = new
-                    keep = _cross_node_replicas(slots, E, G)
+                    keep = cross_node_copies(slots, E, G)
             elif step and stage2 == "predicted":
                 # Stage 2: spare slots follow the predicted (averaged) load.
                 slots = refresh_spares(slots, keep, stats.load_E, G, E)
@@ -140,22 +140,5 @@ def refilled_gpu_loads(topk_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS:
     return share_WS.sum(1)
 
 
-
-
 def _owner_nodes(slots_WS: np.ndarray, E: int, G: int) -> np.ndarray:
-    W = slots_WS.shape[0]
-    owners = slots_WS[:, : E // W]
-    node_of_E = np.empty(E, dtype=np.int64)
-    node_of_E[owners.reshape(-1)] = np.repeat(np.arange(W) // G, E // W)
-    return node_of_E
-
-
-def _cross_node_replicas(slots_WS: np.ndarray, E: int, G: int) -> np.ndarray:
-    """`[W, S]` bool: spare slots holding an expert owned on another node."""
-    node_of_E = _owner_nodes(slots_WS, E, G)
-    W = slots_WS.shape[0]
-    node_W = np.arange(W) // G
-    held = np.where(slots_WS >= 0, node_of_E[np.maximum(slots_WS, 0)], -1)
-    keep = (slots_WS >= 0) & (held != node_W[:, None])
-    keep[:, : E // W] = False
-    return keep
+    return owner_rank_of(slots_WS, E) // G

@@ -80,13 +80,34 @@ def test_owner_moves_refused_still_plan_the_spare_slots() -> None:
     """Migration too dear: the owners stay where they are and the spare slots still get replicas (free);
     the pairs split across nodes get per-node traffic copies, and the sample crosses less than before."""
     stats, current = _paired_stats(), np.arange(E).reshape(4, 2)
-    dear = plan_layer_decision(stats, current, link=LinkModel(expert_params=10 ** 9, token_bytes=64),
-                               redundant_slots=1, ignore_cost_model=False, **COMMON)
+    # small experts (their copies cost little a step) with an optimizer state too dear to move
+    dear = plan_layer_decision(stats, current, link=DEAR_STATE, redundant_slots=1, ignore_cost_model=False, **COMMON)
     assert dear.action == REPLICAS and dear.slots_WS.shape == (4, 3)
     assert np.array_equal(dear.slots_WS[:, :2], current)  # no owner moved
     assert (dear.slots_WS[:, 2] >= 0).all() and dear.new_cross < dear.old_cross
     for rank, row in enumerate(dear.slots_WS):  # a spare copy never repeats an expert on its rank
         assert len(set(row.tolist())) == 3, (rank, row)
+
+
+DEAR_STATE = LinkModel(expert_params=100, token_bytes=64, optimizer_bytes_per_param=10 ** 9)
+
+
+def test_traffic_copies_are_priced_by_their_weights() -> None:
+    """A traffic copy's weights cross the link every step: where they cost more than the tokens it keeps on the
+    node, the plan leaves it out. Same routing and owners as above, experts of 100 against 10^6 parameters."""
+    from ds_cobalt.planner.layout import cross_node_copies
+    from ds_cobalt.planner.migration import copy_cost_per_token
+
+    stats, current = _paired_stats(), np.arange(E).reshape(4, 2)
+    heavy = LinkModel(expert_params=10 ** 6, token_bytes=64, optimizer_bytes_per_param=10 ** 9)
+    # 10^6 x 2 bytes out and back against 4 x 64 bytes per cross-node token: 7812 tokens of 4000 a step
+    assert copy_cost_per_token(heavy, 4000.0) == 2 * 10 ** 6 * 2 / (4 * 64) / 4000
+    light = plan_layer_decision(stats, current, link=DEAR_STATE, redundant_slots=1, ignore_cost_model=False,
+                                **COMMON)
+    dear = plan_layer_decision(stats, current, link=heavy, redundant_slots=1, ignore_cost_model=False, **COMMON)
+    assert cross_node_copies(light.slots_WS, E, 2).sum() > 0
+    assert cross_node_copies(dear.slots_WS, E, 2).sum() == 0
+    assert np.array_equal(dear.slots_WS[:, :2], current)  # no owner moved either
 
 
 def test_fill_spares_keeps_owners_and_balances_copies() -> None:
