@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .assign import assign_tasks
+from .layout import cross_node_copies, owner_rank_of
 
 __all__ = ["node_loads", "replicate_hot", "pack_node", "plan_gpus", "refillable_slots", "refill_node", "refill_layout",
            "max_over_mean"]
@@ -144,13 +145,8 @@ def max_over_mean(load: np.ndarray) -> float:
 def refillable_slots(slots_WS: np.ndarray, gpus_per_node: int, num_experts: int) -> np.ndarray:
     """`[W, S]` bool: spare slots stage 2 refills every step: empty ones and those holding an expert owned on
     the same node. A spare slot holding an expert owned on another node is a traffic copy (stage 1's)."""
-    W, S = slots_WS.shape
-    O = num_experts // W
-    owner_node_E = np.empty(num_experts, dtype=np.int64)
-    owner_node_E[slots_WS[:, :O].reshape(-1)] = np.repeat(np.arange(W) // gpus_per_node, O)
-    held_node_WS = np.where(slots_WS >= 0, owner_node_E[np.maximum(slots_WS, 0)], -1)
-    free_WS = np.zeros((W, S), dtype=bool)
-    free_WS[:, O:] = (slots_WS[:, O:] < 0) | (held_node_WS[:, O:] == (np.arange(W) // gpus_per_node)[:, None])
+    free_WS = ~cross_node_copies(slots_WS, num_experts, gpus_per_node)
+    free_WS[:, : num_experts // slots_WS.shape[0]] = False
     return free_WS
 
 
@@ -160,9 +156,7 @@ def refill_layout(slots_WS: np.ndarray, load_NE: np.ndarray, gpus_per_node: int,
     the node eligible: the whole `[W, S]` refilled layout and the rows each slot serves."""
     G, W = gpus_per_node, slots_WS.shape[0]
     free_WS = refillable_slots(slots_WS, G, num_experts)
-    owner_node_E = np.empty(num_experts, dtype=np.int64)
-    O = num_experts // W
-    owner_node_E[slots_WS[:, :O].reshape(-1)] = np.repeat(np.arange(W) // G, O)
+    owner_node_E = owner_rank_of(slots_WS, num_experts) // G
     out, share = np.empty_like(slots_WS), np.empty_like(slots_WS)
     for n in range(W // G):
         rows = slice(n * G, (n + 1) * G)

@@ -92,8 +92,8 @@ def replay(
                 old_m = layer_metrics(topk_LTK[recent], src_T[recent], slots, E, N, G)
                 new_m = layer_metrics(topk_LTK[recent], src_T[recent], new, E, N, G)
                 replans += 1
-                old_nodes = _owner_nodes(slots, E, G)
-                moved = moved_experts(old_nodes, _owner_nodes(new, E, G))
+                old_nodes = owner_rank_of(slots, E) // G
+                moved = moved_experts(old_nodes, owner_rank_of(new, E) // G)
                 if moved == 0 or migration_worth_it(
                     moved, old_m["cross_node_tokens_per_token"], new_m["cross_node_tokens_per_token"],
                     recent.size // replan_interval, replan_interval, link,
@@ -138,7 +138,3 @@ def refilled_gpu_loads(topk_TK: np.ndarray, source_rank_T: np.ndarray, slots_WS:
     load_NE = np.bincount((dest_TK[valid] // G) * E + topk_TK[valid], minlength=(W // G) * E).reshape(W // G, E)
     _, share_WS = refill_layout(slots_WS, load_NE, G, E)
     return share_WS.sum(1)
-
-
-def _owner_nodes(slots_WS: np.ndarray, E: int, G: int) -> np.ndarray:
-    return owner_rank_of(slots_WS, E) // G
