@@ -86,8 +86,9 @@ SCREEN_RATIO = 1.25
 AGREED_SCREEN_RATIO = 1.10
 # dense, ruled out by the cost model for a layer's layout (predicted at least 2x the best), stays ruled out for the
 # layer's next layouts while predicted at least this many times the best: its traffic does not depend on the layout,
-# and the 2x line moves with the routing sample (at 100 Mbit/s one layer's prediction went from 2.6x to 1.96x, after
-# which dense's re-timing steps ran ~450 against ~250 ms, measured 1.84x)
+# and the 2x line moves with the routing sample (at 100 Mbit/s one layer's prediction went from 2.6x to 1.96x). The
+# verdict marks the layer's traffic as what its steps wait on (`traffic_bound`); dense is timed all the same
+# (`StepTimedChoice.use_model` keeps the preferred candidate), so the measurement decides
 RULED_OUT_HOLD_RATIO = 1.5
 # tokens per rank whose routes the cost model counts rows on (scaled to the real token count): 512, fewer on
 # large groups so the gathered sample stays within 8192 tokens
@@ -434,11 +435,12 @@ class LayerCore:
 
     @property
     def dense_contested(self) -> bool:
-        """Before `auto`'s first choice: the cost model has priced this layer's candidates and left dense among
-        several to time."""
+        """Before `auto`'s first choice: the cost model has priced this layer's candidates, did not rule dense out
+        (where it did, dense is timed all the same but the gate has nothing to weigh), and left dense among several
+        to time."""
         chooser = self._chooser
         return (not self.first_schedule_chosen and chooser is not None and bool(chooser.predicted)
-                and DENSE in chooser.candidates and len(chooser.candidates) > 1)
+                and DENSE in chooser.candidates and DENSE not in chooser.pruned and len(chooser.candidates) > 1)
 
     @property
     def first_trials_due(self) -> bool:
@@ -500,16 +502,17 @@ class LayerCore:
     def owners_may_move(self) -> bool:
         """Whether a re-plan may move this layer's owners: the schedule it runs follows the layout and clearly beats
         dense, which no layout helps. Before `auto`'s first choice: its cost model rules dense out, or prices a
-        saving over dense that is material to the step (`owner_moves_priced`, from `ScheduleGate`). After it: dense
-        is not a candidate (a fixed schedule), the model ruled it out, or the last decision measured the kept
-        schedule at least `OWNER_MOVE_WIN` faster. Elsewhere the layer takes a plan's spare slots only: a narrow win
-        may not hold on the new layout, and owner moves that end on dense are paid for nothing."""
+        saving over dense that is material to the step (`owner_moves_priced`, from `ScheduleGate`). After it: the
+        last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than dense, or dense was not
+        measured in it (a fixed schedule, or ranks with different fixed capacities). Elsewhere the layer takes a
+        plan's spare slots only: a narrow win may not hold on the new layout, and owner moves that end on dense are
+        paid for nothing."""
         chooser = self._chooser
         if not self.first_schedule_chosen:
             return chooser is not None and (DENSE in chooser.pruned or self.owner_moves_priced)
         last = self.schedule_history[-1]
         timings, kept = last["timings_s"], last["schedule"]
-        if kept == DENSE or DENSE in last["model"].get("pruned", ()) or DENSE not in timings:
+        if kept == DENSE or DENSE not in timings:
             return kept != DENSE
         return timings[kept] <= (1.0 - OWNER_MOVE_WIN) * timings[DENSE]
 

@@ -240,10 +240,12 @@ class StepTimedChoice:
         return self.chosen is None and self._trial == self.warmup and self._started is None
 
     def use_model(self, predicted: dict[str, float], pruned: Sequence[str]) -> None:
-        """Before the trials: leave out `pruned` and time the rest best-predicted first (it also takes the
-        warm-up steps). The same on every rank (the prediction is computed from gathered data)."""
+        """Before the trials: leave out `pruned`, except `prefer` (the safe candidate is always measured, and then
+        screened after one step where it is the slower by far), and time the rest best-predicted first (it also takes
+        the warm-up steps). The same on every rank (the prediction is computed from gathered data)."""
         self.predicted, self.pruned = dict(predicted), [c for c in self.candidates if c in pruned]
-        kept = sorted((c for c in self.candidates if c not in self.pruned), key=lambda c: predicted.get(c, 0.0))
+        kept = sorted((c for c in self.candidates if c not in self.pruned or c == self.prefer),
+                      key=lambda c: predicted.get(c, 0.0))
         self._set_candidates(kept or self.candidates[:1])
 
     def pick(self, device: torch.device, groups: EPGroups) -> str:

@@ -685,8 +685,9 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
     where the cost model rules dense out or prices a saving material to the step; after it, where the kept schedule
-    follows the layout and dense was ruled out, was no candidate, or measured OWNER_MOVE_WIN slower in the last
-    decision; never held with `migration.ignore_cost_model`, and skipped layers are not listed."""
+    follows the layout and dense was not measured in the last decision, or measured OWNER_MOVE_WIN slower (the
+    measurement wins over the model's ruling); never held with `migration.ignore_cost_model`, and skipped layers
+    are not listed."""
 
     from ds_cobalt.config import MigrationConfig, PlannerConfig
     from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
@@ -711,7 +712,8 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
         ([("direct", {"direct": 0.5, "dense": 1.0}, [])], True),  # a clear win
         ([("direct", {"direct": win - 0.01, "dense": 1.0}, [])], True),
         ([("direct", {"direct": win + 0.01, "dense": 1.0}, [])], False),  # a narrow one
-        ([("hierarchical", {"hierarchical": 0.9}, ["dense"])], True),  # dense ruled out
+        ([("hierarchical", {"hierarchical": 0.9}, ["dense"])], True),  # dense ruled out, not measured
+        ([("hierarchical", {"hierarchical": 0.9, "dense": 1.0}, ["dense"])], False),  # ruled out, measured close
         ([("hierarchical", {}, [])], True),  # a fixed schedule: dense no candidate
         ([("dense", {"dense": 1.0, "direct": 1.2}, [])], False),
         # the last decision counts: a re-timing that found the win narrow holds the owners

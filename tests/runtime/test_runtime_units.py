@@ -516,7 +516,7 @@ def test_re_timing_against_dense_keeps_the_schedule_kept(monkeypatch, hierarchic
 
 def test_step_timed_choice_follows_the_model() -> None:
     """The model's order: the best-predicted candidate takes the warm-up and the first trial; pruned ones never
-    run; with everything pruned but one, it is chosen at once."""
+    run, except the preferred (safe) one; with everything pruned but one, it is chosen at once."""
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
 
     chooser = StepTimedChoice(["hierarchical", "direct", "dense"], repeats=2, warmup=1)
@@ -527,6 +527,11 @@ def test_step_timed_choice_follows_the_model() -> None:
     alone = StepTimedChoice(["hierarchical", "dense"])
     alone.use_model({"hierarchical": 1.0, "dense": 5.0}, ["dense"])
     assert alone.chosen == "hierarchical" and alone.candidates == ["hierarchical"]
+    # the safe candidate is measured even where the model rules it out (it is then screened after one slow step)
+    safe = StepTimedChoice(["hierarchical", "direct", "dense"], repeats=2, warmup=1, prefer="dense")
+    safe.use_model({"hierarchical": 1.0, "direct": 5.0, "dense": 5.0}, ["direct", "dense"])
+    assert safe.pruned == ["direct", "dense"] and safe.candidates == ["hierarchical", "dense"]
+    assert safe.chosen is None and safe.trials == ["hierarchical", "hierarchical", "dense", "dense", "hierarchical"]
 
 
 @pytest.mark.parametrize("predicted, pruned, material, expected", [
