@@ -609,7 +609,7 @@ class LayerCore:
             self.forwards += 1
             if self._chooser.wants_model:
                 self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
-                                      capacity_is_local or locations_TK is None)
+                                      capacity_is_local or locations_TK is None, _expert_bytes(experts))
             schedule = self._pick_schedule(x_TD.device, timed=training)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE:
@@ -680,14 +680,15 @@ class LayerCore:
             rail_peer_node=rail_nodes, rail_self=topo.rank if flat else topo.node,
             node_self=0 if flat else topo.local_rank,
             replica_rows=(fetched[-1].send_splits, fetched[-1].recv_splits) if fetched else ((), ()),
-            expert_bytes=sum(t.numel() * t.element_size() for t in experts.owner_tensors[0]) if fetched else 0))
+            expert_bytes=_expert_bytes(experts) if fetched else 0))
         self.traffic.add_deepspeed_routes(deepspeed_remote_routes(topk_ids_TK, self.num_experts, topo), row_bytes)
         return out_TD
 
     def _model_schedules(self, topk_ids_TK: torch.Tensor, row_bytes: int, capacity: torch.Tensor | int,
-                         dropless: bool) -> None:
+                         dropless: bool, expert_bytes: int) -> None:
         """Orders and prunes the `auto` candidates with the cost model (`schedule_model`), once per layout:
-        one link probe (cached), one all-gather of sampled routes and of each rank's dense capacity."""
+        one link probe (cached), one all-gather of sampled routes and of each rank's dense capacity.
+        `expert_bytes`: one expert's weights (what each replica fetches)."""
         groups = self.groups
         start = time.perf_counter()
         costs = probe_links(groups, topk_ids_TK.device)
@@ -698,7 +699,8 @@ class LayerCore:
         topk, src, scale, capacity_W = gather_routing(topk_ids_TK, groups, per_rank, local)
         predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,
                                          self.topology.ranks_per_node, self.num_experts, int(capacity_W.max()),
-                                         row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless)
+                                         row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless,
+                                         expert_bytes)
         self._chooser.use_model(predicted, self._model_pruning(predicted, costs.fixed_s))
         if self.topology.rank == 0:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",
@@ -792,3 +794,8 @@ class LayerCore:
                 return None
             self._dense_capacities.add(value)
         return value
+
+
+def _expert_bytes(experts: ExpertBinding) -> int:
+    """Bytes of one expert's weights (a replica fetches them)."""
+    return sum(t.numel() * t.element_size() for t in experts.owner_tensors[0])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..sim.cluster import cobalt_rows, direct_rows, layer_times, padded_rows, scaled_rows
+from ..sim.cluster import cobalt_rows, direct_rows, layer_times, padded_rows, replica_fetch, scaled_rows
 from ..sim.hardware import Hardware, ModelShape
 from .comm import group_size
 from .link_probe import LinkCosts
@@ -74,15 +74,17 @@ def _destinations(topk_XK: np.ndarray, src_X: np.ndarray, slots_WS: np.ndarray, 
 
 def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.ndarray, scale: float,
                          slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, capacity: int,
-                         row_bytes: int, hardware: Hardware, dropless: bool) -> dict[str, float]:
+                         row_bytes: int, hardware: Hardware, dropless: bool,
+                         expert_bytes: int = 0) -> dict[str, float]:
     """Predicted communication seconds of one layer, forward + backward, per candidate schedule (rows from the
     runtime's own task assignment: the hierarchical schedule's on the real nodes, the direct one's on the flat
-    view, every rank its own node)."""
+    view, every rank its own node). `expert_bytes`: one expert's weights, which each spare slot holding another
+    rank's expert fetches in forward and returns as gradients in backward (hierarchical and direct)."""
     W = slots_WS.shape[0]
     G = ranks_per_node
     shape = ModelShape(num_experts=num_experts, top_k=max(1, topk_XK.shape[1]), hidden=row_bytes, ffn=1,
                        dtype_bytes=1)
-    spare = int((slots_WS >= 0).sum(axis=1).max()) - num_experts // W
+    replicas = replica_fetch(slots_WS, num_experts, G, expert_bytes)
     out = {}
     for c in candidates:
         if c == "dense":
@@ -92,7 +94,7 @@ def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.n
             dest = _destinations(topk_XK, src_X, slots_WS, ranks_per_node_of, num_experts)
             rows = (cobalt_rows if c == "hierarchical" else direct_rows)(topk_XK, src_X, slots_WS, G, dest)
             rows = scaled_rows(rows, scale)
-        out[c] = layer_times(rows, _SIM_VARIANT[c], hardware, shape, G, spare if c != "dense" else 0,
+        out[c] = layer_times(rows, _SIM_VARIANT[c], hardware, shape, G, replicas if c != "dense" else None,
                              dropless=dropless and c == "dense")["comm_s"]
     return out
 

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.assign import assign_tasks
-from ..planner.layout import Layout
+from ..planner.layout import Layout, owner_rank_of
 from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
-__all__ = ["LayerRows", "deepspeed_rows", "padded_rows", "scaled_rows", "cobalt_rows", "direct_rows", "layer_times",
-           "predict_step_times", "VARIANTS", "predict_synthetic", "format_prediction", "step_of_tokens"]
+__all__ = ["LayerRows", "ReplicaFetch", "replica_fetch", "deepspeed_rows", "padded_rows", "scaled_rows",
+           "cobalt_rows", "direct_rows", "layer_times", "predict_step_times", "VARIANTS", "predict_synthetic",
+           "format_prediction", "step_of_tokens"]
 
 VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap", "cobalt-direct", "cobalt-dense")
 
@@ -54,6 +55,37 @@ class LayerRows:
     compute_W: np.ndarray
     routes_out_W: np.ndarray
     routes_in_W: np.ndarray
+
+
+@dataclass(frozen=True)
+class ReplicaFetch:
+    """Bytes per GPU of one layer's replica weights in one forward (the owners send them to the spare slots holding
+    their experts; backward returns the gradients the other way): `inter_*` across nodes (traffic copies),
+    `intra_*` inside the node."""
+
+    inter_out_W: np.ndarray
+    inter_in_W: np.ndarray
+    intra_out_W: np.ndarray
+    intra_in_W: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return not (self.inter_in_W.any() or self.intra_in_W.any())
+
+
+def replica_fetch(slots_WS: np.ndarray, num_experts: int, G: int, expert_bytes: float) -> ReplicaFetch:
+    """The `ReplicaFetch` of a layout `[W, S]` (owners in the first E / W slots) for experts of `expert_bytes`."""
+    slots_WS = np.asarray(slots_WS)
+    W, P = slots_WS.shape[0], num_experts // slots_WS.shape[0]
+    owner_E = owner_rank_of(slots_WS, num_experts)
+    w, s = np.nonzero(slots_WS[:, P:] >= 0)
+    owner = owner_E[slots_WS[w, P + s]]
+    moved = owner != w
+    w, owner = w[moved], owner[moved]
+    cross = owner // G != w // G
+    out = [np.bincount(r, minlength=W) * float(expert_bytes) for r in (owner[cross], w[cross], owner[~cross],
+                                                                       w[~cross])]
+    return ReplicaFetch(*out)
 
 
 def scaled_rows(rows: LayerRows, factor: float) -> LayerRows:
@@ -184,10 +216,12 @@ def _all_to_all_time(hw: Hardware, G: int, inter_out: np.ndarray, inter_in: np.n
 
 
 def layer_times(rows: LayerRows, variant: str, hw: Hardware, shape: ModelShape, G: int,
-                replica_slots: int = 0, dropless: bool = False) -> dict[str, float]:
+                replicas: ReplicaFetch | None = None, dropless: bool = False) -> dict[str, float]:
     """Seconds of one layer, forward + backward: `comm_s`, `compute_s`, `total_s` (see docs/simulator.md), and
-    `inter_node_bytes`: bytes the busiest node sends to other nodes (forward + backward). `dropless`: the
-    capacity comes from an all-reduce (DeepSpeed's gate, the dense schedule) that costs one collective."""
+    `inter_node_bytes`: bytes the busiest node sends to other nodes (forward + backward). `replicas`: the layout's
+    replica weights (`replica_fetch`), fetched in forward and returned as gradients in backward (not by DeepSpeed or
+    the dense schedule). `dropless`: the capacity comes from an all-reduce (DeepSpeed's gate, the dense schedule)
+    that costs one collective."""
     W = rows.compute_W.size
     N = W // G
     b = shape.row_bytes
@@ -206,10 +240,10 @@ def layer_times(rows: LayerRows, variant: str, hw: Hardware, shape: ModelShape, 
         raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
     zeros = np.zeros(W, dtype=np.int64)
     counts = _all_to_all_time(hw, G, zeros, zeros, zeros, zeros)  # one count exchange over the EP group
-    replica = 0.0  # stage-2 replicas: weights copied in (forward), gradients back to the owner (backward)
-    if replica_slots and G > 1 and variant != "cobalt-dense":
-        param_bytes = shape.ffn_matrices * shape.hidden * shape.ffn * shape.dtype_bytes
-        replica = 2 * (hw.collective_overhead_s + replica_slots * param_bytes / hw.intra_node_bw)
+    replica = 0.0  # replicas: weights copied in (forward), gradients back to the owner (backward), one exchange each
+    if replicas is not None and not replicas.empty and variant != "cobalt-dense":
+        replica = 2 * _all_to_all_time(hw, G, replicas.inter_out_W, replicas.inter_in_W, replicas.intra_out_W,
+                                       replicas.intra_in_W)
     route_bytes = _ROUTE_BYTES * rows.routes_out_W
     node_bytes = node_of_rows(4.0 * b * rows.inter_out_W + 2.0 * route_bytes)
     if variant == "cobalt-direct":
@@ -291,7 +325,7 @@ def predict_step_times(
     acc = {key: dict.fromkeys(variants, 0.0) for key in ("step_s", "comm_s", "compute_s", "inter_node_bytes")}
     for layer in range(trace.num_layers):
         slots_WS = layout.layer(min(layer, layout.num_layers - 1))
-        replica_slots = int((slots_WS >= 0).sum(axis=1).max()) - E // W
+        replicas = replica_fetch(slots_WS, E, G, shape.ffn_matrices * shape.hidden * shape.ffn * shape.dtype_bytes)
         for step in range(steps):
             chunk = order[bounds[step] : bounds[step + 1]]
             topk_TK, src = trace.experts_LTK[layer, chunk], src_T[chunk]
@@ -315,7 +349,7 @@ def predict_step_times(
                     rows = cache["cobalt"]
                 if rows_scale != 1.0:
                     rows = scaled_rows(rows, rows_scale)
-                t = layer_times(rows, v, hw, shape, G, replica_slots if v.startswith("cobalt") else 0,
+                t = layer_times(rows, v, hw, shape, G, replicas if v.startswith("cobalt") else None,
                                 dropless=capacity_factor is None)
                 acc["step_s"][v] += t["total_s"] * layer_scale / steps
                 acc["comm_s"][v] += t["comm_s"] * layer_scale / steps

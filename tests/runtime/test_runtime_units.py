@@ -700,6 +700,20 @@ def test_schedule_model_prices_calls_on_fast_links_and_bytes_on_slow_ones() -> N
                                        dropless=True)
         bytes_part = on_slow["hierarchical"] - 9 * fixed
         assert doubled["hierarchical"] - 9 * fixed == pytest.approx(2 * bytes_part, rel=1e-6)
+    # replicas: rank 2 (node 1) holds a traffic copy of rank 0's expert; its weights cross the slow link in forward
+    # and its gradients in backward, two more all-to-alls for hierarchical and direct, none for dense
+    E, expert_bytes = 8, 10**5
+    topk, src = _routing(rng, E, 2, W, 256)
+    slots = np.concatenate([contiguous_layout(E, 2, G).layer(0), np.full((W, 1), -1)], axis=1)
+    copied = slots.copy()
+    copied[2, -1] = 0
+    for candidate in candidates:
+        def cost(layout, size):
+            return predict_comm_seconds([candidate], topk, src, 1.0, layout, G, E, 64, row_bytes,
+                                        hardware_of(slow, G), dropless=True, expert_bytes=size)[candidate]
+        extra = 0.0 if candidate == "dense" else 2 * (fixed + expert_bytes / 6.25e6)
+        assert cost(copied, expert_bytes) - cost(copied, 0) == pytest.approx(extra, rel=1e-6, abs=1e-12), candidate
+        assert cost(slots, expert_bytes) == cost(slots, 0)  # no spare slot filled: nothing fetched
 
 
 def test_remote_nodes_per_token_matches_the_planner() -> None:

@@ -16,8 +16,10 @@ from ds_cobalt.sim.cluster import (
     VARIANTS,
     cobalt_rows,
     deepspeed_rows,
+    layer_times,
     predict_step_times,
     predict_synthetic,
+    replica_fetch,
     step_of_tokens,
 )
 from ds_cobalt.sim.hardware import (
@@ -103,6 +105,34 @@ def test_replicas_balance_compute():
     r0 = cobalt_rows(topk, trace.source_ranks(2), base.layer(0), 2)
     r1 = cobalt_rows(topk, trace.source_ranks(2), rep.layer(0), 2)
     assert r1.compute_W.max() < r0.compute_W.max()
+
+
+def test_replica_weights_are_priced_over_the_link_they_cross():
+    """`replica_fetch`: the owner sends each spare slot's expert weights, inside the node or, for a traffic copy,
+    across nodes; `layer_times` prices them (forward + backward) on that link, and not for dense."""
+    E, expert_bytes = 4, 1000.0
+    same_node = np.array([[0, 1], [1, 0], [2, -1], [3, -1]])  # ranks 0 and 1 (node 0) hold copies of each other
+    other_node = np.array([[0, -1], [1, -1], [2, 0], [3, -1]])  # rank 2 (node 1) holds one of expert 0
+    intra = replica_fetch(same_node, E, 2, expert_bytes)
+    assert intra.intra_out_W.tolist() == [1000, 1000, 0, 0] and intra.intra_in_W.tolist() == [1000, 1000, 0, 0]
+    assert not intra.inter_in_W.any()
+    cross = replica_fetch(other_node, E, 2, expert_bytes)
+    assert cross.inter_out_W.tolist() == [1000, 0, 0, 0] and cross.inter_in_W.tolist() == [0, 0, 1000, 0]
+    assert not cross.intra_in_W.any() and replica_fetch(contiguous_layout(E, 2, 2).layer(0), E, 2, 1.0).empty
+    hw = Hardware(name="t", gpus_per_node=2, inter_node_bw_gpu=1e3, inter_node_bw_node=2e3, intra_node_bw=1e6,
+                  latency_s=0.0, collective_overhead_s=0.0, gemm_flops=1e12)
+    shape = ModelShape(num_experts=E, top_k=1, hidden=1, ffn=1)
+    topk = np.zeros((4, 1), dtype=np.int64)
+    rows = cobalt_rows(topk, np.arange(4), contiguous_layout(E, 2, 2).layer(0), 2)
+
+    def comm(variant, replicas):
+        return layer_times(rows, variant, hw, shape, 2, replicas)["comm_s"]
+
+    base = comm("cobalt", None)
+    assert comm("cobalt", intra) - base == pytest.approx(2 * 1000 / 1e6)
+    assert comm("cobalt", cross) - base == pytest.approx(2 * 1000 / 1e3)  # the busiest GPU's share of the link
+    assert comm("cobalt-direct", cross) - comm("cobalt-direct", None) == pytest.approx(2.0)
+    assert comm("cobalt-dense", cross) == comm("cobalt-dense", None)
 
 
 def test_step_of_tokens_rank_major_and_step_major():
