@@ -708,7 +708,7 @@ def test_schedule_model_prices_calls_on_fast_links_and_bytes_on_slow_ones() -> N
     copied = slots.copy()
     copied[2, -1] = 0
     for candidate in candidates:
-        def cost(layout, size):
+        def cost(layout, size, candidate=candidate):
             return predict_comm_seconds([candidate], topk, src, 1.0, layout, G, E, 64, row_bytes,
                                         hardware_of(slow, G), dropless=True, expert_bytes=size)[candidate]
         extra = 0.0 if candidate == "dense" else 2 * (fixed + expert_bytes / 6.25e6)
