@@ -71,9 +71,10 @@ class PlannerConfig(_Section):
     material to the step, `LayerCore.expects_layout_gain`), applied before their schedule trials start (after
     step 3 at the latest), so the trials time, and the first dozen steps run, a planned layout instead of the
     contiguous one (one step of statistics: the planner samples at most `sample_tokens` recent rows per rank
-    anyway). Owners move then only where the model rules dense out, and at later re-plans only where it does or
-    the layer's schedule measured at least 15 % faster than dense (`LayerCore.owners_may_move`); another layer
-    takes the plan's spare slots only.
+    anyway). With `CobaltEngine`'s gate it runs, and moves owners, only where the model's saving is at least 20 % of
+    a step (`schedule_gate.OWNER_MOVE_SHARE`); at later re-plans owners move only where the layer's schedule
+    measured at least 15 % faster than dense (`LayerCore.owners_may_move`); another layer takes the plan's spare
+    slots only.
     `confirm_on_newer_routing`: the decisions are checked, when applied, on the rows routed since the plan's sample
     (the latest `sample_tokens` per rank, gathered in the same all_reduce as the decisions): a layer keeps its
     layout where a replica change is worse on them, or where a migration no longer pays at its per-token gain less

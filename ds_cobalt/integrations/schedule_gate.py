@@ -11,11 +11,12 @@ predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
 - after step 1 (`BEFORE_TRIALS_STEP`): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
   whose model does not rule dense out, since the planner worker's CPU would be spent beside the first steps; and
   dense runs the rest of their warm-up (`LayerCore.warm_up_on_dense`), so that the check below times dense's own
-  step and a layer kept on dense ran DeepSpeed's exchange from step 2. Where the saving is material, the plan
-  before the trials may also move the owners (`LayerCore.owner_moves_priced`), so the first dozen steps run a layout
-  that follows the routing, not the contiguous owners with planned spare slots (at 100 Mbit/s the default model's
-  share was 14 % and 25 % in the checks after step 1 and after the warm-up, against 1.7-4.1 % on the fast links,
-  where the layers then keep dense);
+  step and a layer kept on dense ran DeepSpeed's exchange from step 2. The plan before the trials runs, and moves
+  the owners, only where the share is at least `OWNER_MOVE_SHARE` (`LayerCore.owner_moves_priced`; judged for every
+  layer whose model priced dense, also where it rules dense out), so the first dozen steps run a layout that follows
+  the routing, not the contiguous one (at 100 Mbit/s the default model's share after step 1 was 25 %; with the
+  fine-grained model at 1 Gbit/s 7-15 %, where the trials then kept dense and the migrations before them were paid
+  for nothing; 1.7-4.1 % on the fast links with the default model);
 - when the warm-up ends, before the first trial (a window of the run's first step left out): the layers settle on
   dense, DeepSpeed's own exchange, with no trials (`LayerCore.settle_dense`).
 A verdict that the saving is material stands for the layer's first choice: a layer whose owners the plan before
@@ -37,13 +38,18 @@ from ..runtime.layer import LayerCore
 from .layers import layer_cores
 from .replan import BEFORE_TRIALS_STEP
 
-__all__ = ["MATERIAL_SAVING", "ScheduleGate", "immaterial_share", "saving_share"]
+__all__ = ["MATERIAL_SAVING", "OWNER_MOVE_SHARE", "ScheduleGate", "immaterial_share", "saving_share"]
 
 # the model's communication saving over dense, as a share of a dense step, below which no trials run: twice the
 # trials' own margin (`layer.DENSE_MARGIN`); on the 2 x 2 testbed the saving the model priced at 6-8 % of a step
 # (fine-grained model, 1 Gbit/s) measured within 2 % of DeepSpeed's steps once chosen, after trials and re-plans
 # that cost ~8 % of a 60-step run, while the wins at 100 Mbit/s were priced at 20 % and more
 MATERIAL_SAVING = 0.10
+# ... and the share at which the plan before the trials may move the owners (checked after step 1, also where the model
+# rules dense out): twice the above. At 100 Mbit/s the default model's share after step 1 was 25 % (its hierarchical
+# steps then ran 1.8x DeepSpeed's); with the fine-grained model at 1 Gbit/s it was 7-15 %, and the migrations that
+# followed (26-52 experts after step 3, the trials then keeping dense) cost about 4 % of a 60-step job
+OWNER_MOVE_SHARE = 0.20
 
 
 def saving_share(gaps: list[tuple[float, float]], warmup_step_s: float) -> float | None:
@@ -74,19 +80,21 @@ class ScheduleGate:
     def __call__(self, engine: Any) -> None:
         if self._cores is None:
             self._cores = layer_cores(engine)
-        contested = [core for core in self._cores if core.dense_contested and id(core) not in self._material]
-        if not contested:
-            return
         step = int(engine.global_steps)
         if step == BEFORE_TRIALS_STEP:
-            for cores, share, priced in self._verdicts(step, "plan", contested):
+            modelled = [core for core in self._cores if core.dense_modelled]
+            for cores, share, priced in self._verdicts(step, "plan", modelled):
                 for core in cores:
+                    core.owner_moves_judged = priced is not None
+                    core.owner_moves_priced = priced is not None and priced >= OWNER_MOVE_SHARE
+                    if not core.dense_contested:  # ruled out by the model: dense is timed in the trials all the same
+                        continue
                     core.layout_gain_material = share is None
-                    core.owner_moves_priced = share is None and priced is not None
-                    if core.owner_moves_priced:
+                    if share is None and priced is not None:
                         self._material.add(id(core))
                     if share is not None:
                         core.warm_up_on_dense()
+        contested = [core for core in self._cores if core.dense_contested and id(core) not in self._material]
         due = [core for core in contested if core.first_trials_due]
         for cores, share, priced in self._verdicts(step, "trials", due):
             if share is None:

@@ -208,8 +208,9 @@ class LayerCore:
         self._dense_ruled_out = False  # the model ruled dense out for the layout before (`RULED_OUT_HOLD_RATIO`)
         self._chooser_from_forward = 0  # forwards run before the current choice started
         self.layout_gain_material = True  # `ScheduleGate`: the model's saving matters to the step (after step 1)
-        # `ScheduleGate`: the model's saving is material to the step (after step 1), so a plan before the trials may
-        # move the owners
+        # `ScheduleGate` (after step 1): whether it judged the owner moves of a plan before the trials, and whether the
+        # model's saving is large enough against the step for them (`schedule_gate.OWNER_MOVE_SHARE`)
+        self.owner_moves_judged = False
         self.owner_moves_priced = False
         self.forwards = 0  # forward passes run (training and eval; a recomputation inside backward is not one)
         self._last_run: tuple[str, str | None] | None = None  # (schedule, replica mode) of the last forward
@@ -424,14 +425,26 @@ class LayerCore:
         whose traffic follows the layout (hierarchical, direct) at least `CLEAR_SAVING` below dense's and that saving
         is material to the step (`layout_gain_material`, set by `ScheduleGate` after step 1). The replanner then
         plans the layer before its trials start (`planner.plan_before_trials`), so they time the layout it will run,
-        not the contiguous one."""
+        not the contiguous one. Where `ScheduleGate` judged the owner moves of that plan, only if it priced them
+        (`owner_moves_priced`): a plan whose owners stay buys little before the trials and costs its worker's CPU
+        beside the first steps."""
         chooser = self._chooser
         if chooser is None or self.first_schedule_chosen or not chooser.predicted:
+            return False
+        if self.owner_moves_judged and not self.owner_moves_priced:
             return False
         if DENSE in chooser.pruned:
             return True
         return self.layout_gain_material and any(
             c != DENSE and chooser.priced_below(c, DENSE, CLEAR_SAVING) for c in chooser.candidates)
+
+    @property
+    def dense_modelled(self) -> bool:
+        """Before `auto`'s first choice: the cost model has priced dense and other candidates to time (dense ruled
+        out or not)."""
+        chooser = self._chooser
+        return (not self.first_schedule_chosen and chooser is not None and DENSE in chooser.predicted
+                and len(chooser.candidates) > 1)
 
     @property
     def dense_contested(self) -> bool:
@@ -490,8 +503,8 @@ class LayerCore:
     @property
     def traffic_bound(self) -> bool:
         """The cost model found this layer's traffic material to its steps: it ruled dense out in the last decision
-        (or, before one, in the current model), or `ScheduleGate` priced a saving over dense material to the step
-        (`owner_moves_priced`). The same on every rank (agreed inputs)."""
+        (or, before one, in the current model), or `ScheduleGate` priced a saving over dense large enough against the
+        step for owner moves (`owner_moves_priced`). The same on every rank (agreed inputs)."""
         if self.owner_moves_priced:
             return True
         if self.schedule_history:
@@ -501,15 +514,18 @@ class LayerCore:
     @property
     def owners_may_move(self) -> bool:
         """Whether a re-plan may move this layer's owners: the schedule it runs follows the layout and clearly beats
-        dense, which no layout helps. Before `auto`'s first choice: its cost model rules dense out, or prices a
-        saving over dense that is material to the step (`owner_moves_priced`, from `ScheduleGate`). After it: the
+        dense, which no layout helps. Before `auto`'s first choice: `ScheduleGate` priced the model's saving over
+        dense large enough against the step (`owner_moves_priced`), or, without its verdict, the cost model rules
+        dense out. After it: the
         last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than dense, or dense was not
         measured in it (a fixed schedule, or ranks with different fixed capacities). Elsewhere the layer takes a
         plan's spare slots only: a narrow win may not hold on the new layout, and owner moves that end on dense are
         paid for nothing."""
         chooser = self._chooser
         if not self.first_schedule_chosen:
-            return chooser is not None and (DENSE in chooser.pruned or self.owner_moves_priced)
+            if self.owner_moves_judged:
+                return self.owner_moves_priced
+            return chooser is not None and DENSE in chooser.pruned
         last = self.schedule_history[-1]
         timings, kept = last["timings_s"], last["schedule"]
         if kept == DENSE or DENSE not in timings:

@@ -153,9 +153,11 @@ def _default_body(rank: int, world: int) -> dict:
                     "dense_skips": list(hook.dense_skips),
                     "starts": [h["planned_after_step"] for h in hook.history if not h["before_trials"]]}
     engine.destroy()
-    # a slow link (the probe's cross-node rate replaced by 1.6 Mbit/s, for the tiny rows here): the cost model
+    # a slow link (the probe's cross-node rate replaced by 0.4 Mbit/s, for the tiny rows here): the cost model
     # prices the layout-dependent schedules below dense, so the layers are planned after step 1 and their layout is
     # applied after step 3, before their trials start
+    # (the replanner's probe too: its plans price traffic copies on the same link as the layers' cost model)
+    import ds_cobalt.integrations.replan as replan_module
     import ds_cobalt.runtime.layer as layer_module
     from ds_cobalt.runtime.link_probe import LinkCosts
 
@@ -163,17 +165,17 @@ def _default_body(rank: int, world: int) -> dict:
 
     def slow_probe(groups, device, *args, **kwargs):
         costs = real_probe(groups, device, *args, **kwargs)
-        return LinkCosts(fixed_s=costs.fixed_s, inter_node_bytes_per_s=2e5,
+        return LinkCosts(fixed_s=costs.fixed_s, inter_node_bytes_per_s=5e4,
                          intra_node_bytes_per_s=costs.intra_node_bytes_per_s, probe_bytes=costs.probe_bytes)
 
-    layer_module.probe_links = slow_probe
+    layer_module.probe_links = replan_module.probe_links = slow_probe
     try:
         engine = build_engine("cobalt", 1)
         slots: list[list] = []
         out["slow_losses"] = train(engine, range(20), before_step=lambda e, step: slots.append(
             [layer.layout_slots.copy() for layer in cobalt_layers(e)]))
     finally:
-        layer_module.probe_links = real_probe
+        layer_module.probe_links = replan_module.probe_links = real_probe
     (hook,) = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
     out["slow"] = {"history": [(h["planned_after_step"], h["step"], h["planned"], h["before_trials"])
                                for h in hook.history],
@@ -181,7 +183,8 @@ def _default_body(rank: int, world: int) -> dict:
                        slots[g][i], slots[g - 1][i])), None) for i in range(len(slots[0]))],
                    "first_decisions": [layer.cobalt_core.schedule_history[0]["forward"]
                                        for layer in cobalt_layers(engine)],
-                   "models": [layer.cobalt_core.schedule_history[0]["model"] for layer in cobalt_layers(engine)]}
+                   "models": [layer.cobalt_core.schedule_history[0]["model"] for layer in cobalt_layers(engine)],
+                   "gate": [h.decisions for h in engine.cobalt_step_hooks if isinstance(h, ScheduleGate)]}
     engine.destroy()
     return out
 
@@ -269,9 +272,14 @@ def test_bare_cobalt_section_replans_with_a_spare_slot_and_matches_deepspeed(run
         assert all(not h[3] for h in slow["history"][1:]), slow
         # the layout (one spare slot filled at least) arrives before the first timed step: a replica-only change
         # right after step 3, a migration in the next forward's pre-hook (asynchronous); the first decision comes
-        # after the trials on it (a warm-up step and three rounds)
+        # after the trials on it (a warm-up step and three rounds), or at once where the model on the new layout
+        # rules out every schedule but dense (its traffic copies' weights, priced on the 0.4 Mbit/s link)
         assert all(changed in (3, 4) for changed in slow["changed_at"]), slow
-        assert all(f > SCHEDULE_WARMUP + 2 for f in slow["first_decisions"]), slow
+        for first, model in zip(slow["first_decisions"], slow["models"]):
+            if set(model["pruned"]) == {"hierarchical", "direct"}:
+                assert first == SCHEDULE_WARMUP + 1, repr(slow)
+            else:
+                assert first > SCHEDULE_WARMUP + 2, repr(slow)
 
 
 def _stage2_auto_body(rank: int, world: int) -> dict:
@@ -473,17 +481,22 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
         def __init__(self, gap: float, window_s: float) -> None:
             self.gap, self.warmup_step_s, self.step = gap, window_s, 0
             self.first_schedule_chosen, self.settled, self.layout_gain_material = False, None, True
-            self.owner_moves_priced = False
+            self.owner_moves_priced = self.owner_moves_judged = False
             self.groups = types.SimpleNamespace(ep_group=None)
             self.dense_warm_up_from: int | None = None
             self.due_steps = (3,)
+            self.dense_ruled_out = False
 
         def warm_up_on_dense(self) -> None:
             self.dense_warm_up_from = self.step + 1
 
         @property
-        def dense_contested(self) -> bool:
+        def dense_modelled(self) -> bool:
             return not self.first_schedule_chosen
+
+        @property
+        def dense_contested(self) -> bool:
+            return not self.first_schedule_chosen and not self.dense_ruled_out
 
         @property
         def first_trials_due(self) -> bool:
@@ -496,9 +509,12 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
             self.first_schedule_chosen, self.settled = True, share
 
     def run(gaps: list[float], windows: list[float], windows_from: dict[int, list[float]] | None = None,
-            due_steps: tuple[int, ...] = (3,)) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
-        """`windows_from`: the layers' warm-up windows from a step on."""
+            due_steps: tuple[int, ...] = (3,), ruled_out: tuple[bool, ...] = (False, False),
+            ) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
+        """`windows_from`: the layers' warm-up windows from a step on; `ruled_out`: the model rules dense out."""
         layers = [Layer(gap, window) for gap, window in zip(gaps, windows)]
+        for layer, out in zip(layers, ruled_out):
+            layer.dense_ruled_out = out
         gate = schedule_gate.ScheduleGate()
         gate._cores = layers
         for step in range(1, 6):
@@ -531,6 +547,20 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     assert [(d["step"], d["for"]) for d in gate.decisions] == [(1, "plan"), (3, "trials")]
     assert [layer.owner_moves_priced for layer in layers] == [False, False]
     assert [layer.settled for layer in layers] == [None, None]
+    # 0.06 s of 0.31 (19 %): material, so the trials run, but below OWNER_MOVE_SHARE: no owner moves before them
+    assert schedule_gate.OWNER_MOVE_SHARE == 0.20
+    layers, gate = run([0.03, 0.03], [0.25, 0.2])
+    assert [layer.settled for layer in layers] == [None, None]
+    assert [(layer.owner_moves_judged, layer.owner_moves_priced) for layer in layers] == [(True, False)] * 2
+    assert [d["saving_share"] for d in gate.decisions] == [pytest.approx(0.06 / 0.31)]
+    # a layer whose model rules dense out is judged for owner moves too, but neither gated nor settled (dense is
+    # timed in its trials)
+    layers, gate = run([0.03, 0.03], [0.25, 0.2], ruled_out=(True, False))
+    assert [(layer.owner_moves_judged, layer.owner_moves_priced) for layer in layers] == [(True, False)] * 2
+    assert [(d["for"], d["layers"]) for d in gate.decisions] == [("plan", 2)]
+    layers, gate = run([0.005, 0.005], [0.25, 0.2], ruled_out=(True, False))
+    assert [layer.settled for layer in layers] == [None, pytest.approx(0.005 / 0.205)]  # its own window and gap
+    assert [(d["for"], d["layers"]) for d in gate.decisions] == [("plan", 2), ("trials", 1)]
 
 
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
@@ -684,7 +714,8 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 
 def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
-    where the cost model rules dense out or prices a saving material to the step; after it, where the kept schedule
+    where `ScheduleGate` priced the saving large against the step (without its verdict: the cost model rules dense
+    out); after it, where the kept schedule
     follows the layout and dense was not measured in the last decision, or measured OWNER_MOVE_WIN slower (the
     measurement wins over the model's ruling); never held with `migration.ignore_cost_model`, and skipped layers
     are not listed."""
@@ -700,14 +731,18 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
         layer.schedule_history = [{"forward": 10 * (n + 1), "schedule": s, "timings_s": t, "model": {"pruned": p}}
                                   for n, (s, t, p) in enumerate(history)]
         layer._kept_schedule, layer.owner_moves_priced = (history[-1][0] if history else None), False
+        layer.owner_moves_judged = False
         return layer
 
     assert OWNER_MOVE_WIN == 0.15
     win = 1.0 - OWNER_MOVE_WIN
     assert core(pruned=["dense"]).owners_may_move and not core().owners_may_move  # before the first choice
     priced = core()
-    priced.owner_moves_priced = True  # `ScheduleGate`: the model's saving is material to the step
+    priced.owner_moves_judged = priced.owner_moves_priced = True  # `ScheduleGate`: a saving large against the step
     assert priced.owners_may_move
+    declined = core(pruned=["dense"])
+    declined.owner_moves_judged = True  # ... and its verdict stands where the model rules dense out
+    assert not declined.owners_may_move
     cases = [
         ([("direct", {"direct": 0.5, "dense": 1.0}, [])], True),  # a clear win
         ([("direct", {"direct": win - 0.01, "dense": 1.0}, [])], True),

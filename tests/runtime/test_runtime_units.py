@@ -546,15 +546,21 @@ def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predi
                                                                            expected) -> None:
     """`LayerCore.expects_layout_gain` (the plan before `auto`'s trials): the model rules dense out, or prices a
     layout-dependent schedule at least CLEAR_SAVING below dense and that saving is material to the step
-    (`layout_gain_material`, from `ScheduleGate`); never without a model or after the choice."""
+    (`layout_gain_material`, from `ScheduleGate`), and the gate, where it judged them, priced owner moves
+    (`owner_moves_priced`); never without a model or after the choice."""
     from ds_cobalt.runtime.layer import LayerCore
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
 
     core = LayerCore.__new__(LayerCore)
     core._kept_schedule, core.layout_gain_material = None, material
+    core.owner_moves_judged = core.owner_moves_priced = False
     core._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
     assert not core.expects_layout_gain  # no model yet
     core._chooser.use_model(predicted, pruned)
+    assert core.expects_layout_gain is expected
+    core.owner_moves_judged = True  # the gate found the saving too small for owner moves: no plan before the trials
+    assert not core.expects_layout_gain
+    core.owner_moves_priced = True
     assert core.expects_layout_gain is expected
     core._kept_schedule = "hierarchical"  # the first choice is made: the usual re-plans take over
     assert not core.expects_layout_gain
