@@ -516,11 +516,10 @@ class LayerCore:
         """Whether a re-plan may move this layer's owners: the schedule it runs follows the layout and clearly beats
         dense, which no layout helps. Before `auto`'s first choice: `ScheduleGate` priced the model's saving over
         dense large enough against the step (`owner_moves_priced`), or, without its verdict, the cost model rules
-        dense out. After it: the
-        last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than dense, or dense was not
-        measured in it (a fixed schedule, or ranks with different fixed capacities). Elsewhere the layer takes a
-        plan's spare slots only: a narrow win may not hold on the new layout, and owner moves that end on dense are
-        paid for nothing."""
+        dense out. After it: the last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than
+        dense, or dense was not measured in it (a fixed schedule, or ranks with different fixed capacities).
+        Elsewhere the layer takes a plan's spare slots only: a narrow win may not hold on the new layout, and owner
+        moves that end on dense are paid for nothing."""
         chooser = self._chooser
         if not self.first_schedule_chosen:
             if self.owner_moves_judged:
