@@ -451,9 +451,8 @@ class LayerCore:
         """Before `auto`'s first choice: the cost model has priced this layer's candidates, did not rule dense out
         (where it did, dense is timed all the same but the gate has nothing to weigh), and left dense among several
         to time."""
-        chooser = self._chooser
-        return (not self.first_schedule_chosen and chooser is not None and bool(chooser.predicted)
-                and DENSE in chooser.candidates and DENSE not in chooser.pruned and len(chooser.candidates) > 1)
+        return (self.dense_modelled and DENSE in self._chooser.candidates
+                and DENSE not in self._chooser.pruned)
 
     @property
     def first_trials_due(self) -> bool:
