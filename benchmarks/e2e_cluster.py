@@ -56,6 +56,7 @@ VARIANTS = {
     "cobalt-dense": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "dense"}}},
     "cobalt-auto": {"impl": "cobalt", "cobalt": {"transport": {"schedule": "auto"}}},
     "cobalt-static": {"impl": "cobalt", "cobalt": {"planner": {"replan_interval": 0}}},  # (b), re-planning off
+    "cobalt-no-spare": {"impl": "cobalt", "cobalt": {"planner": {"redundant_slots": 0}}},  # defaults, no spare slot
     "cobalt-placement": {"impl": "cobalt", "cobalt": {
         "planner": {"replan_interval": 10, "redundant_slots": 1, "policy": "cobalt", "apply_lag": 5},
     }},
@@ -141,6 +142,8 @@ def summarize(out: Path, rates: list[str], variants: list[str], repeats: int = 1
                 # (schedule trials, the first plans and migrations), which a long job amortizes
                 "second_half_speedup": statistics.median(late) if late else None,
                 "host_steal_per_repeat": steal,  # this variant's jobs: CPU time the VM's host gave to others
+                # rank 0's median CPU milliseconds per step (first repeat, steps after the first)
+                "cpu_ms_per_step": _median_cpu_ms(m),
                 "cross_node_bytes_per_step": m["traffic"]["inter_node_bytes"] / steps,
                 "expert_load_max_over_mean": m.get("expert_load_max_over_mean"),
                 "max_loss_diff_vs_deepspeed": (max(abs(a - b) for a, b in zip(m["losses"], base["losses"]))
@@ -174,6 +177,12 @@ def _second_half_s(metrics: dict) -> float:
     return sum(steps[len(steps) // 2:])
 
 
+def _median_cpu_ms(metrics: dict) -> float | None:
+    """Rank 0's median CPU milliseconds per step after the first (None for metrics written without them)."""
+    cpu = metrics.get("cpu_times_s") or []
+    return 1e3 * statistics.median(cpu[1:] or cpu) if cpu else None
+
+
 def _metrics(run: Path) -> dict | None:
     path = run / "metrics.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -181,10 +190,11 @@ def _metrics(run: Path) -> dict | None:
 
 def markdown(summary: dict) -> str:
     lines = ["| rate | variant | tokens/s | vs DeepSpeed | per repeat | 2nd half vs DeepSpeed | cross-node MB/step | "
-             "load max/mean | max loss diff | host steal % per repeat |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "load max/mean | max loss diff | CPU ms/step (rank 0) | host steal % per repeat |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         if r.get("failed"):
-            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | | | | |")
+            lines.append(f"| {r['rate']} | {r['variant']} | failed | | | | | | | | |")
             continue
         fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
         per_repeat = " ".join(f"{x:.2f}" for x in r.get("speedup_per_repeat", []))
@@ -194,7 +204,7 @@ def markdown(summary: dict) -> str:
                      f"{fmt(r.get('second_half_speedup'), '.2f')} | "
                      f"{r['cross_node_bytes_per_step'] / 1e6:.2f} | "
                      f"{fmt(r['expert_load_max_over_mean'], '.3f')} | {fmt(r['max_loss_diff_vs_deepspeed'], '.1e')} | "
-                     f"{steal} |")
+                     f"{fmt(r.get('cpu_ms_per_step'), '.1f')} | {steal} |")
     return "\n".join(lines) + "\n"
 
 

@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
     losses: list[float] = []
     step_times: list[float] = []
+    cpu_times: list[float] = []
     tty = sys.stderr.isatty()
     bar = None
     if rank == 0 and tty:
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         profiler.enable()
     t_start = time.perf_counter()
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         step_loss = torch.zeros((), dtype=torch.float64, device=collective_device())
         for micro_step in range(gas):
             ids, targets = batch_for_rank(
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(step_loss)  # mean over ranks
         losses.append(step_loss.item() / world)  # NOTE: host sync
         step_times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - cpu0)
         if tracker is not None:
             tracker.after_step()
         if bar is not None:
@@ -315,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens_per_s": tokens_per_s,
                 "wall_s": wall,
                 "step_times_s": step_times,
+                # this process's CPU seconds per step (rank 0, all its threads, no child process such as a planner
+                # worker): with several ranks per core, a rank's extra CPU work is every rank's wait
+                "cpu_times_s": cpu_times,
                 "traffic": total,
                 "traffic_rank0": local,
                 "expert_rows_per_rank": rows,
