@@ -83,9 +83,8 @@ def replica_fetch(slots_WS: np.ndarray, num_experts: int, G: int, expert_bytes: 
     moved = owner != w
     w, owner = w[moved], owner[moved]
     cross = owner // G != w // G
-    out = [np.bincount(r, minlength=W) * float(expert_bytes) for r in (owner[cross], w[cross], owner[~cross],
-                                                                       w[~cross])]
-    return ReplicaFetch(*out)
+    senders_and_holders = (owner[cross], w[cross], owner[~cross], w[~cross])
+    return ReplicaFetch(*(np.bincount(r, minlength=W) * float(expert_bytes) for r in senders_and_holders))
 
 
 def scaled_rows(rows: LayerRows, factor: float) -> LayerRows:
@@ -325,7 +324,7 @@ def predict_step_times(
     acc = {key: dict.fromkeys(variants, 0.0) for key in ("step_s", "comm_s", "compute_s", "inter_node_bytes")}
     for layer in range(trace.num_layers):
         slots_WS = layout.layer(min(layer, layout.num_layers - 1))
-        replicas = replica_fetch(slots_WS, E, G, shape.ffn_matrices * shape.hidden * shape.ffn * shape.dtype_bytes)
+        replicas = replica_fetch(slots_WS, E, G, shape.expert_bytes)
         for step in range(steps):
             chunk = order[bounds[step] : bounds[step + 1]]
             topk_TK, src = trace.experts_LTK[layer, chunk], src_T[chunk]

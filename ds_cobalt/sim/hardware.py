@@ -89,6 +89,11 @@ class ModelShape:
         return self.hidden * self.dtype_bytes
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (what a replica fetches)."""
+        return self.ffn_matrices * self.hidden * self.ffn * self.dtype_bytes
+
+    @property
     def flops_per_row(self) -> float:
         """Forward FLOPs of one (token, expert) pair (backward is twice this)."""
         return 2.0 * self.hidden * self.ffn * self.ffn_matrices
