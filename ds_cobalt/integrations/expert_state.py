@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -100,8 +102,13 @@ class ExpertStateIO:
         return self.read_rows([pieces])[0]
 
     def read_rows(self, experts: Sequence[Sequence[Piece]]) -> torch.Tensor:
-        """`[len(experts), F]`: one row per expert. A fused tensor's full state is read once per call."""
+        """`[len(experts), F]`: one row per expert. A fused tensor's full state is read once per call; under ZeRO
+        every partitioned field of the call in one all-reduce per data-parallel group (`_read_fragments`)."""
         cache: dict[tuple[int, str], torch.Tensor] = {}
+        if self.mode == "fragment":
+            wanted = {(id(p), field): (p, field) for pieces in experts for p, row in pieces
+                      for field in self.fields_of((p, row)) if field != "weight"}
+            cache.update(_read_fragments(list(wanted.values())))
         rows = []
         for pieces in experts:
             parts = [self._read_piece(piece, field, cache).reshape(-1).float()
@@ -113,12 +120,12 @@ class ExpertStateIO:
 
     def _read_piece(self, piece: Piece, field: str, cache: dict) -> torch.Tensor:
         p, row = piece
-        if row is None:
-            return self._read(p, field)
         key = (id(p), field)
         if key not in cache:
+            if row is None:
+                return self._read(p, field)
             cache[key] = self._read(p, field)
-        return cache[key][row]
+        return cache[key] if row is None else cache[key][row]
 
     def _read(self, p: torch.nn.Parameter, field: str) -> torch.Tensor:
         if field == "weight":
@@ -190,6 +197,37 @@ class ExpertStateIO:
             return
         target = select(state[field])
         target.copy_(flat.view_as(target).to(target.dtype))
+
+
+def _read_fragments(fields: Sequence[tuple[torch.nn.Parameter, str]]) -> dict[tuple[int, str], torch.Tensor]:
+    """`(id(p), field) -> ` the full fp32 value of each ZeRO-1/2 (or bf16 optimizer) partitioned field ("fp32" or an
+    optimizer moment), as `safe_get_full_fp32_param` / `safe_get_full_optimizer_state` assemble it (each rank's
+    fragment at its place, zeros elsewhere, summed over the parameter's data-parallel group), in one all-reduce
+    per group instead of one per parameter and field (a migration of 26 experts here ran 168). Collective: every
+    rank of a group passes the same parameters and fields in the same order."""
+    by_group: dict[int, list[tuple[torch.nn.Parameter, str]]] = {}
+    groups: dict[int, Any] = {}
+    for p, field in fields:
+        group = getattr(p, "_dp_group", None)
+        by_group.setdefault(id(group), []).append((p, field))
+        groups[id(group)] = group
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for key, members in by_group.items():
+        starts = np.cumsum([0] + [p.numel() for p, _ in members]).tolist()
+        flat = torch.zeros(starts[-1], dtype=torch.float32, device=members[0][0].device)
+        with torch.no_grad():
+            for (p, field), start in zip(members, starts):
+                mapping = p._hp_mapping
+                if mapping is None:  # this rank's partition holds none of it
+                    continue
+                address = mapping.lp_fragment_address
+                fragment = mapping.get_hp_fragment(None if field == "fp32" else field)
+                flat.narrow(0, start + address.start, address.numel).copy_(fragment.reshape(-1))
+        if dist.is_initialized():
+            dist.all_reduce(flat, group=groups[key])
+        for (p, field), start in zip(members, starts):
+            out[(id(p), field)] = flat.narrow(0, start, p.numel()).view(p.shape)
+    return out
 
 
 def piece_numel(piece: Piece) -> int:

@@ -64,6 +64,15 @@ def cross_node_per_token(samples_TK: np.ndarray, source_rank_T: np.ndarray, slot
     return float(remote_nodes_of(samples_TK, source_rank_T, slots_WS, gpus_per_node).mean())
 
 
+# stage 1's seeds in a re-plan: `plan_nodes`' "fast" (every seed but Mt-KaHyPar). On 69 synthetic layers (E 32-256,
+# top-2 to top-8, 2-8 nodes, one spare slot; planned on half the tokens, scored on the other) the Mt-KaHyPar seed
+# changed the `cobalt` policy's layout in 8, by at most 1.1 % cross-node tokens, 4 better and 4 worse, and took 2-4x
+# the planning CPU (E=32, k=6: 0.17 against 0.06 s). A re-plan's worker shares the host with training: on the 2 x 2
+# testbed (4 ranks on 2 cores, 1 Gbit/s, fine-grained model) the steps after a re-plan's gather ran 70-110 ms
+# (of ~230) shorter without it, in one pair of jobs. Offline planning (`plan_layout`, `ds-cobalt plan`) keeps "auto".
+REPLAN_PARTITIONER = "fast"
+
+
 def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int, gpus_per_node: int,
                         policy: str, redundant_slots: int, seed: int, link: LinkModel, interval: int,
                         tokens_per_step: float, ignore_cost_model: bool) -> LayerDecision:
@@ -80,7 +89,7 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     copy_cost = copy_cost_per_token(link, tokens_per_step)
     inp = LayerInput(stats=routing, topk_ids_TK=stats.samples_TK, source_rank_T=stats.source_rank_T,
                      nodes=nodes, gpus_per_node=gpus_per_node, redundant_slots=redundant_slots,
-                     current_slots_WS=current_WS, seed=seed, copy_cost=copy_cost)
+                     current_slots_WS=current_WS, seed=seed, copy_cost=copy_cost, partitioner=REPLAN_PARTITIONER)
     slots = plan_layer(policy, inp)
     slots = canonical_owner_order(Layout(E, nodes, gpus_per_node, slots[None])).layer(0)
     slots = align_owner_slots(current_WS, slots, P)

@@ -44,6 +44,8 @@ class LayerInput:
     # tokens per token: its weights cross in forward and its gradients in backward (`migration.copy_cost_per_token`);
     # 0: free, i.e. candidates are scored on token traffic alone
     copy_cost: float = 0.0
+    # stage 1's seeds (`plan_nodes`' `partitioner`) for the partition without everywhere-copies; the others use "fast"
+    partitioner: str = "auto"
 
 
 Policy = Callable[[LayerInput], np.ndarray]
@@ -222,7 +224,8 @@ def cobalt_layer(inp: LayerInput, *, joint: str = "moves") -> np.ndarray:
         sets_MK = _strip(st.sets_MK, hot) if x else st.sets_MK
         # Step 2: stage 1 on the remaining sets; replicated experts weigh 1/N on their owner node.
         node_of_E = plan_nodes(np.where(hot, load_E / N, load_E), st.coact_EE, sets_MK, st.count_M, N,
-                               current_node_of_E=current, partitioner="auto" if x == 0 else "fast", seed=inp.seed)
+                               current_node_of_E=current, partitioner=inp.partitioner if x == 0 else "fast",
+                               seed=inp.seed)
         everywhere_NE = np.repeat(hot[None, :], N, axis=0)
         everywhere_NE[node_of_E, np.arange(E)] = False
         holds_NE = everywhere_NE.copy()

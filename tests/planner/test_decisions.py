@@ -163,3 +163,28 @@ def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() 
     assert confirm(MIGRATE, planned, same, link=LinkModel(expert_params=10 ** 9, token_bytes=64)).action == KEEP
     none = np.zeros(0, dtype=np.int64)
     assert confirm_on_newer_routing(MIGRATE, planned, current, none, none, **common).action == MIGRATE
+
+
+def test_replan_seeds_stage1_without_kahypar(monkeypatch) -> None:
+    """A re-plan (`plan_layer_decision`) seeds stage 1 with `plan_nodes`' "fast" seeds; offline planning
+    (`plan_layout`) still runs Mt-KaHyPar where it is installed."""
+    import ds_cobalt.planner.stage1 as stage1
+    from ds_cobalt.planner.policies import plan_layout
+    from ds_cobalt.planner.trace import Trace
+
+    partitioners: list[str] = []
+    plan_nodes = stage1.plan_nodes
+
+    def recorded(*args, **kwargs):
+        partitioners.append(kwargs["partitioner"])
+        return plan_nodes(*args, **kwargs)
+
+    monkeypatch.setattr("ds_cobalt.planner.policies.plan_nodes", recorded)
+    stats = _paired_stats()
+    current = np.concatenate([np.arange(E).reshape(4, 2), np.full((4, 1), -1)], axis=1)
+    plan_layer_decision(stats, current, link=LinkModel(expert_params=100, token_bytes=64), redundant_slots=1,
+                        ignore_cost_model=False, **COMMON)
+    assert partitioners and set(partitioners) == {"fast"}
+    partitioners.clear()
+    plan_layout(Trace(stats.samples_TK[None], E), 2, 2, 1)
+    assert "auto" in partitioners
