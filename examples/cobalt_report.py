@@ -147,7 +147,8 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
         print(f"  schedules run       {shares} of the {total} layer forwards (all ranks; `auto`'s trials included)")
     if not s["replans"] and s.get("replans_skipped_dense"):
         print(f"  re-plans            skipped after steps {', '.join(map(str, s['replans_skipped_dense']))}: every "
-              "layer runs DeepSpeed's dense exchange (fastest on this link), whose traffic no layout changes")
+              "layer runs DeepSpeed's dense exchange (fastest on this link), whose traffic no layout changes, or "
+              "one whose saving over it is small against the step")
     elif not s["replans"]:
         print("  re-plans            none (planner.replan_interval = 0, or the run ended before the first)")
     else:
@@ -158,7 +159,7 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
         if s["replan_dense_skipped"]:
             print(f"                      {s['replan_dense_skipped']} of {s['replan_layers']} layer plans left out: "
                   "those layers run DeepSpeed's dense exchange (fastest on this link), whose traffic no layout "
-                  "changes")
+                  "changes, or save little over it against the step")
     if s.get("replans_unconfirmed"):
         held = "; ".join(f"after step {step}: layer{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
                          for step, ids in s["replans_unconfirmed"])

@@ -116,7 +116,7 @@ class Replanner:
         self._apply_at: int | None = None
         self._interval = self.cfg.replan_interval
         self._early = self.cfg.early_replan_steps  # the plan steps before the first multiple of the interval
-        self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer ran the dense schedule
+        self.dense_skips: list[int] = []  # steps whose re-plan was skipped: every layer `layout_settled`
         self.deferred: list[tuple[int, int]] = []  # (plan step, step the re-plan started or was skipped): it waited
         self._deferred_from: int | None = None  # a plan step whose re-plan waits (schedule trials, plan in flight)
         # the step after which the layers' routing statistics were last read and reset (None: not known, resumed)
@@ -150,7 +150,7 @@ class Replanner:
         """Start this rank's planner now and wait until it is ready: its imports and numba kernels take ~2 s of
         CPU, which beside training (where the ranks fill the cores) slowed the steps around it by up to 1.5 s and
         skewed `auto`'s trials. A job whose layers all run the dense schedule plans nothing and starts none."""
-        if self._all_dense():
+        if self._all_settled():
             return
         t0 = time.perf_counter()
         self._ensure_planner()
@@ -184,9 +184,9 @@ class Replanner:
             since = max([s for s in self._early if s < step] + [(step - 1) // self._interval * self._interval])
         return max(1, step - since)
 
-    def _all_dense(self) -> bool:
-        """Every layer settled on the dense schedule, which re-plans leave out (unless the cost model is off)."""
-        return not self.mig.ignore_cost_model and all(layer.settled_dense for layer in self.layers)
+    def _all_settled(self) -> bool:
+        """Every layer is one that re-plans leave out (`LayerCore.layout_settled`; unless the cost model is off)."""
+        return not self.mig.ignore_cost_model and all(layer.layout_settled for layer in self.layers)
 
     def _schedules_chosen(self) -> bool:
         """Every layer has its schedule for the current layout (`auto`'s trials are over)."""
@@ -222,7 +222,7 @@ class Replanner:
             return
         step = int(engine.global_steps)
         plan_due = self.is_plan_step(step) or self._deferred_from is not None
-        if self._apply_at is None and self._all_dense():
+        if self._apply_at is None and self._all_settled():
             # nothing to plan: no worker, no gather, no collective (every rank sees the same schedules)
             self.close()  # the idle worker's memory (a layout change that ends `dense` starts another)
             if plan_due:
@@ -233,7 +233,8 @@ class Replanner:
                 self.stats_since_step = step
                 if len(self.dense_skips) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
                     logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
-                                "independent of the layout); re-plans are skipped while they do")
+                                "independent of the layout) or one whose saving over it is small against the step "
+                                "(`LayerCore.layout_settled`); re-plans are skipped while they do")
             return
         if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS) and self._schedules_chosen():
             # a planner that did not start with the engine, or was stopped: a few steps early, so its imports and
@@ -359,10 +360,11 @@ class Replanner:
         topo = self.layers[0].topology
         ep_groups = max(1, world // topo.world_size)
         # A layer on the dense schedule sends DeepSpeed's padded blocks whatever the layout: a new one saves
-        # nothing and would only restart `auto`'s timing. (All ranks agree on each layer's schedule.)
+        # nothing and would only restart `auto`'s timing; nor does one whose saving over dense is small against the
+        # step (`LayerCore.layout_settled`). (All ranks agree on each layer's schedule and verdicts.)
         if skipped is None:
             skipped = [] if self.mig.ignore_cost_model else [
-                i for i, layer in enumerate(self.layers) if layer.settled_dense]
+                i for i, layer in enumerate(self.layers) if layer.layout_settled]
         self._skipped = skipped
         self._owners_stay = self._owners_staying(skipped)
         mine = [i for i in self._mine if i not in self._skipped]
@@ -477,7 +479,8 @@ class Replanner:
                         + (f"; layers {self._skipped} keep theirs ("
                            + ("before the schedule trials: their cost model expects no gain from a layout)"
                               if self._start_s.get("before_trials") else
-                              "they run the dense schedule: traffic independent of the layout)")
+                              "they run the dense schedule, or their saving over it is small against the step: "
+                              "`LayerCore.layout_settled`)")
                            if self._skipped else ""))
             if owners_held:
                 logger.info(f"ds_cobalt replan at step {engine.global_steps}: layers {owners_held} change only their "

@@ -16,7 +16,8 @@ predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
   layer whose model priced dense, also where it rules dense out), so the first dozen steps run a layout that follows
   the routing, not the contiguous one (at 100 Mbit/s the default model's share after step 1 was 25 %; with the
   fine-grained model at 1 Gbit/s 7-15 %, where the trials then kept dense and the migrations before them were paid
-  for nothing; 1.7-4.1 % on the fast links with the default model);
+  for nothing; 1.7-4.1 % on the fast links with the default model). A layer judged below it moves no owners in
+  later re-plans either, whatever its trials measure (`LayerCore.owners_may_move`);
 - when the warm-up ends, before the first trial (a window of the run's first step left out): the layers settle on
   dense, DeepSpeed's own exchange, with no trials (`LayerCore.settle_dense`).
 A verdict that the saving is material stands for the layer's first choice: a layer whose owners the plan before

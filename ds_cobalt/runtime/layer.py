@@ -420,6 +420,17 @@ class LayerCore:
         return self.schedule == DENSE
 
     @property
+    def layout_settled(self) -> bool:
+        """Whether re-plans leave this layer out: it runs the dense schedule (`settled_dense`), or its first choice is
+        made and `ScheduleGate` priced its schedules' saving over dense too small against the step for owner moves
+        (`owners_may_move`): a plan could change only its spare slots, which restarts its re-timing for a share of
+        a small saving (fine-grained model at 1 Gbit/s here: the re-plans after steps 13 and 25 changed only spare
+        slots, steps 14-30 ran 0.6-0.7 s above DeepSpeed's in three of four 60-step jobs, and most such layers then
+        settled on dense)."""
+        return self.settled_dense or (self.first_schedule_chosen and self.owner_moves_judged
+                                      and not self.owner_moves_priced)
+
+    @property
     def expects_layout_gain(self) -> bool:
         """Before `auto`'s first choice for this layer: whether its cost model rules dense out, or prices a schedule
         whose traffic follows the layout (hierarchical, direct) at least `CLEAR_SAVING` below dense's and that saving
@@ -516,14 +527,18 @@ class LayerCore:
         dense, which no layout helps. Before `auto`'s first choice: `ScheduleGate` priced the model's saving over
         dense large enough against the step (`owner_moves_priced`), or, without its verdict, the cost model rules
         dense out. After it: the last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than
-        dense, or dense was not measured in it (a fixed schedule, or ranks with different fixed capacities).
-        Elsewhere the layer takes a plan's spare slots only: a narrow win may not hold on the new layout, and owner
-        moves that end on dense are paid for nothing."""
+        dense, or dense was not measured in it (a fixed schedule, or ranks with different fixed capacities); and
+        where `ScheduleGate` judged the layer, it priced the owner moves too: a trial win against a saving the model
+        put small against the step was not the steady one (fine-grained model at 1 Gbit/s here: the model's share
+        10-14 %, first trials 15-24 % in favour of hierarchical, steady steps 4-6 %; in two of three jobs a layer
+        whose owners moved after them, 27-52 experts, went back to dense). Elsewhere the layer takes a plan's spare
+        slots only: a narrow win may not hold on the new layout, and owner moves that end on dense are paid for
+        nothing."""
         chooser = self._chooser
+        if self.owner_moves_judged and not self.owner_moves_priced:
+            return False
         if not self.first_schedule_chosen:
-            if self.owner_moves_judged:
-                return self.owner_moves_priced
-            return chooser is not None and DENSE in chooser.pruned
+            return self.owner_moves_judged or (chooser is not None and DENSE in chooser.pruned)
         last = self.schedule_history[-1]
         timings, kept = last["timings_s"], last["schedule"]
         if kept == DENSE or DENSE not in timings:
@@ -649,8 +664,8 @@ class LayerCore:
             self.schedule_forwards[schedule] += 1
             replicas = self._replica_mode(schedule, x_TD.device, timed=training)
             self._last_run = (schedule, replicas)
-            # a layer that settled on dense is left out of re-plans (its traffic does not depend on the layout)
-            self.stats.update(topk_ids_TK, planned=not self.settled_dense)
+            # a layer that re-plans leave out needs no co-activation or samples (`layout_settled`)
+            self.stats.update(topk_ids_TK, planned=not self.layout_settled)
             if self.trace_rows is not None:
                 self.trace_rows.append(topk_ids_TK.detach().cpu())
         if replicas == "none":

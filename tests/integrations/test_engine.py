@@ -441,13 +441,13 @@ def test_replan_due_during_trials_waits_then_starts_or_is_skipped() -> None:
         return hook
 
     for settles_on, started, skipped in (("dense", [], [6]), ("hierarchical", [6], [])):
-        layer = types.SimpleNamespace(settled_dense=False, schedule=None, first_schedule_chosen=False,
+        layer = types.SimpleNamespace(layout_settled=False, schedule=None, first_schedule_chosen=False,
                                       expects_layout_gain=False, stats=types.SimpleNamespace(reset=lambda: None))
         hook = replanner(layer)
         for step in range(1, 8):
             if step == 6:  # `auto`'s first choice, made during step 6
                 layer.schedule, layer.first_schedule_chosen = settles_on, True
-                layer.settled_dense = settles_on == "dense"
+                layer.layout_settled = settles_on == "dense"
             hook(types.SimpleNamespace(global_steps=step))
         assert (hook.started, hook.dense_skips, hook.deferred) == (started, skipped, [(4, 6)]), settles_on
 
@@ -574,7 +574,7 @@ def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gai
     from ds_cobalt.runtime.layer import SCHEDULE_WARMUP
 
     def run(gains: list[bool], chosen: bool = False, **planner) -> list[tuple]:
-        layers = [types.SimpleNamespace(settled_dense=False, schedule="dense" if chosen else None,
+        layers = [types.SimpleNamespace(layout_settled=False, schedule="dense" if chosen else None,
                                         first_schedule_chosen=chosen, expects_layout_gain=gain,
                                         stats=types.SimpleNamespace(reset=lambda: None)) for gain in gains]
         hook, started = _timeline_replanner(layers, PlannerConfig(**planner)), []
@@ -665,7 +665,7 @@ def test_replan_request_prices_tokens_per_step_over_the_steps_its_statistics_sum
         stats.update(torch.full((64, 2), step % 8))
     topology = types.SimpleNamespace(world_size=4, ranks_per_node=2, nodes=2)
     layer = types.SimpleNamespace(stats=stats, layout_slots=np.arange(8).reshape(4, 2), num_experts=8,
-                                  topology=topology, settled_dense=False, owners_may_move=True)
+                                  topology=topology, layout_settled=False, owners_may_move=True)
     hook = _timeline_replanner([layer], PlannerConfig(sample_tokens=100))
     hook._mine, hook.stats_since_step, hook.link, requests = [0], 10, LinkModel(), []
     hook._planner = types.SimpleNamespace(submit=lambda *request: requests.append(request))
@@ -713,12 +713,12 @@ def test_plan_before_trials_restarts_the_trials_of_the_layers_it_leaves_in_step(
 
 
 def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
-    """`LayerCore.owners_may_move` and the replanner's `_owners_staying`: before the first choice, owners move only
-    where `ScheduleGate` priced the saving large against the step (without its verdict: the cost model rules dense
-    out); after it, where the kept schedule
-    follows the layout and dense was not measured in the last decision, or measured OWNER_MOVE_WIN slower (the
-    measurement wins over the model's ruling); never held with `migration.ignore_cost_model`, and skipped layers
-    are not listed."""
+    """`LayerCore.owners_may_move`, `layout_settled` and the replanner's `_owners_staying`: before the first
+    choice, owners move only where `ScheduleGate` priced the saving large against the step (without its verdict: the
+    cost model rules dense out); after it, where the kept schedule follows the layout and dense was not measured in
+    the last decision, or measured OWNER_MOVE_WIN slower (the measurement wins over the model's ruling), and the
+    gate, where it judged the layer, priced it large; never held with `migration.ignore_cost_model`, and skipped
+    layers are not listed."""
 
     from ds_cobalt.config import MigrationConfig, PlannerConfig
     from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
@@ -756,6 +756,23 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     ]
     for history, expected in cases:
         assert core(history=history).owners_may_move is expected, history
+    # re-plans leave out a layer on dense, and one whose first choice is made where the gate priced the saving small
+    settled = core(history=cases[0][0])
+    assert not settled.layout_settled
+    settled.owner_moves_judged = True
+    assert settled.layout_settled
+    settled.owner_moves_priced = True
+    assert not settled.layout_settled
+    before = core()
+    before.owner_moves_judged = True  # before the first choice: the plan before the trials (`expects_layout_gain`)
+    assert not before.layout_settled
+    # after the first choice too, a clear trial win moves no owners where `ScheduleGate` priced the saving small
+    # against the step; where it priced it large, the measured win decides as above
+    for priced_large in (False, True):
+        for history, expected in cases[:3]:
+            judged = core(history=history)
+            judged.owner_moves_judged, judged.owner_moves_priced = True, priced_large
+            assert judged.owners_may_move is (expected and priced_large), history
     layers = [core(history=h) for h, _ in cases[:3]]
     hook = _timeline_replanner(layers, PlannerConfig())
     assert hook._owners_staying([]) == [2] and hook._owners_staying([2]) == []
