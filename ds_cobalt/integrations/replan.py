@@ -235,6 +235,8 @@ class Replanner:
                     logger.info(f"ds_cobalt replan at step {step}: every layer runs the dense schedule (traffic "
                                 "independent of the layout) or one whose saving over it is small against the step "
                                 "(`LayerCore.layout_settled`); re-plans are skipped while they do")
+                if step % self._interval == 0:
+                    self._retime_kept(step)
             return
         if self._next_plan_step(step) - step <= min(self._interval, WORKER_LEAD_STEPS) and self._schedules_chosen():
             # a planner that did not start with the engine, or was stopped: a few steps early, so its imports and
@@ -263,6 +265,15 @@ class Replanner:
         self._start(engine, step)
         if self.cfg.effective_apply_lag == 0:
             self._apply(engine)
+
+    def _retime_kept(self, step: int) -> None:
+        """At a skipped re-plan step that is a multiple of the interval: the layers not on dense time their kept
+        schedule against dense again (`LayerCore.retime_kept`), all in the same steps (every rank sees the same
+        schedules, so all agree)."""
+        retimed = [i for i, layer in enumerate(self.layers) if layer.retime_kept()]
+        if retimed and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(f"ds_cobalt replan at step {step}: layers {retimed} time their schedule against dense again "
+                        "(no plan: `LayerCore.layout_settled`)")
 
     def _plan_before_trials(self, engine: Any, step: int) -> bool:
         """Start the plan before `auto`'s trials where it is due after `step` (module docstring); whether it started.

@@ -778,3 +778,59 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     assert hook._owners_staying([]) == [2] and hook._owners_staying([2]) == []
     hook.mig = MigrationConfig(ignore_cost_model=True)
     assert hook._owners_staying([]) == []
+
+
+def test_settled_layers_retime_their_schedule_at_interval_steps_only() -> None:
+    """Where every layer is `layout_settled`, the re-plans are skipped; at those that are multiples of the
+    interval (not the early ones) the layers not on dense time their kept schedule against dense again
+    (`LayerCore.retime_kept`, here a stand-in that records the step), all in the same step."""
+    import types
+
+    from ds_cobalt.config import PlannerConfig
+
+    retimed: list[tuple[int, int]] = []
+    step_now = {"s": 0}
+
+    def layer(index: int, dense: bool):
+        def retime() -> bool:
+            if dense:
+                return False
+            retimed.append((step_now["s"], index))
+            return True
+        return types.SimpleNamespace(layout_settled=True, settled_dense=dense, retime_kept=retime,
+                                     stats=types.SimpleNamespace(reset=lambda: None))
+
+    hook = _timeline_replanner([layer(0, False), layer(1, True), layer(2, False)],
+                               PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1))
+    for step in range(1, 46):
+        step_now["s"] = step
+        hook(types.SimpleNamespace(global_steps=step))
+    assert hook.dense_skips == [4, 5, 10, 20, 40]  # the early plan steps (`early_replan_steps`) and multiples
+    assert retimed == [(20, 0), (20, 2), (40, 0), (40, 2)]
+
+
+def test_retime_kept_restarts_the_choice_on_the_same_layout_only_after_a_choice() -> None:
+    """`LayerCore.retime_kept`: a layer that made its first choice and runs a schedule other than dense installs its
+    layout again (which restarts the timing of that schedule against dense); not on dense, not before the first
+    choice, not while a timing runs."""
+    import types
+
+    import numpy as np
+
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    def core(kept, chosen):
+        layer = LayerCore.__new__(LayerCore)
+        layer._kept_schedule = kept
+        layer._chooser = StepTimedChoice([chosen] if chosen else ["hierarchical", "dense"])
+        layer._placement = types.SimpleNamespace(slots_WS=np.arange(8).reshape(4, 2))
+        layer.installed = []
+        layer.install_layout = layer.installed.append
+        return layer
+
+    for kept, chosen, expected in (("hierarchical", "hierarchical", True), ("direct", "direct", True),
+                                   ("dense", "dense", False), (None, None, False), ("hierarchical", None, False)):
+        layer = core(kept, chosen)
+        assert layer.retime_kept() is expected, (kept, chosen)
+        assert len(layer.installed) == int(expected)
