@@ -577,6 +577,7 @@ def _core_in_first_warm_up(monkeypatch) -> tuple[Any, dict[str, float]]:
     core = LayerCore.__new__(LayerCore)
     core._kept_schedule, core._dense_seconds, core.forwards, core.schedule_history = None, None, 0, []
     core._chooser_from_forward, core.layout_gain_material = 0, True
+    core.owner_moves_judged = core.owner_moves_priced = False  # as `LayerCore.__init__` sets them
     core._chooser = LayerCore._schedule_chooser(["hierarchical", "direct", "dense"])
     return core, now
 
