@@ -208,7 +208,7 @@ def _read_fragments(fields: Sequence[tuple[torch.nn.Parameter, str]]) -> dict[tu
     by_group: dict[int, list[tuple[torch.nn.Parameter, str]]] = {}
     groups: dict[int, Any] = {}
     for p, field in fields:
-        group = getattr(p, "_dp_group", None)
+        group = p._dp_group  # as DeepSpeed's `get_full_hp_param` reduces it
         by_group.setdefault(id(group), []).append((p, field))
         groups[id(group)] = group
     out: dict[tuple[int, str], torch.Tensor] = {}
