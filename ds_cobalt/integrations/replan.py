@@ -266,11 +266,12 @@ class Replanner:
         if self.cfg.effective_apply_lag == 0:
             self._apply(engine)
 
-    def _retime_kept(self, step: int) -> None:
-        """At a skipped re-plan step that is a multiple of the interval: the layers not on dense time their kept
-        schedule against dense again (`LayerCore.retime_kept`), all in the same steps (every rank sees the same
-        schedules, so all agree)."""
-        retimed = [i for i, layer in enumerate(self.layers) if layer.retime_kept()]
+    def _retime_kept(self, step: int, among: list[int] | None = None) -> None:
+        """At a re-plan step that is a multiple of the interval, the layers left out (`among`; default: all, where the
+        re-plan is skipped) and not on dense time their kept schedule against dense again (`LayerCore.retime_kept`),
+        all in the same steps (every rank sees the same schedules, so all agree)."""
+        among = range(len(self.layers)) if among is None else among
+        retimed = [i for i in among if self.layers[i].retime_kept()]
         if retimed and (not dist.is_initialized() or dist.get_rank() == 0):
             logger.info(f"ds_cobalt replan at step {step}: layers {retimed} time their schedule against dense again "
                         "(no plan: `LayerCore.layout_settled`)")
@@ -517,6 +518,11 @@ class Replanner:
                 to_migrate[i] = slots[i]
             elif realign:
                 layer.restart_trials()  # in step with the layers whose new layout restarts their trials
+        planned_after = self._start_s.get("planned_after_step")
+        if not self._start_s.get("before_trials") and planned_after and planned_after % self._interval == 0:
+            # the left-out layers re-time as where every layer is left out, in step with the planned layers'
+            # re-timings on their new layouts (a layer on dense does not)
+            self._retime_kept(int(engine.global_steps), [i for i in self._skipped if i < L])
         if any(s is not None for s in to_migrate):
             saving = float(sum(s for s, a in zip(savings, actions) if a == MIGRATE))
             every: list[np.ndarray | None] = [None] * self._all_layers  # migrate() takes every ds_cobalt layer

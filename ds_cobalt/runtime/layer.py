@@ -397,8 +397,8 @@ class LayerCore:
             self.install_layout(self.layout_slots)
 
     def retime_kept(self) -> bool:
-        """Time the schedule kept against dense again, on the same layout: the replanner calls it at the re-plan
-        steps that are multiples of the interval where every layer is `layout_settled` (no plan runs). Such a layer
+        """Time the schedule kept against dense again, on the same layout: the replanner calls it for the layers it
+        leaves out (`layout_settled`) at the re-plan steps that are multiples of the interval. Such a layer
         chose on its first trials, whose 3-step medians at 1 Gbit/s here put hierarchical and direct 10-16 % ahead of
         dense where their later steps ran 3-11 % behind DeepSpeed's in separate jobs; a re-plan's layout change used
         to re-time it, and without one nothing would. Dense is the preferred candidate (the kept schedule stays only

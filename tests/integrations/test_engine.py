@@ -834,3 +834,32 @@ def test_retime_kept_restarts_the_choice_on_the_same_layout_only_after_a_choice(
         layer = core(kept, chosen)
         assert layer.retime_kept() is expected, (kept, chosen)
         assert len(layer.installed) == int(expected)
+
+
+def test_left_out_layers_retime_with_an_interval_replan_applied_beside_them() -> None:
+    """Where a re-plan after a multiple of the interval plans some layers and leaves others out (`layout_settled`),
+    its apply has the left-out ones time their kept schedule against dense again, in the step the planned layers
+    take their new layouts; not after an early plan step."""
+    import types
+
+    import numpy as np
+
+    from ds_cobalt.config import PlannerConfig
+
+    def layer(index: int, calls: list):
+        def retime() -> bool:
+            calls.append(index)
+            return True
+        return types.SimpleNamespace(retime_kept=retime, num_experts=8, num_local_experts=2,
+                                     topology=types.SimpleNamespace(world_size=4),
+                                     layout_slots=np.arange(8).reshape(4, 2))
+
+    for planned_after, expected in ((20, [1]), (10, [])):
+        calls: list[int] = []
+        hook = _timeline_replanner([layer(0, calls), layer(1, calls)],
+                                   PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1, redundant_slots=0,
+                                                 confirm_on_newer_routing=False))
+        hook._pending, hook._submit_error, hook._skipped = None, None, [1]
+        hook._start_s = {"planned_after_step": planned_after, "before_trials": False}
+        hook._apply(types.SimpleNamespace(global_steps=planned_after + 5))
+        assert calls == expected, planned_after
