@@ -856,9 +856,9 @@ def test_left_out_layers_retime_with_an_interval_replan_applied_beside_them() ->
 
     for planned_after, expected in ((20, [1]), (10, [])):
         calls: list[int] = []
-        hook = _timeline_replanner([layer(0, calls), layer(1, calls)],
-                                   PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1, redundant_slots=0,
-                                                 confirm_on_newer_routing=False))
+        cfg = PlannerConfig(replan_interval=20, first_replan_step=4, apply_lag=1, redundant_slots=0,
+                            confirm_on_newer_routing=False)
+        hook = _timeline_replanner([layer(0, calls), layer(1, calls)], cfg)
         hook._pending, hook._submit_error, hook._skipped = None, None, [1]
         hook._start_s = {"planned_after_step": planned_after, "before_trials": False}
         hook._apply(types.SimpleNamespace(global_steps=planned_after + 5))
