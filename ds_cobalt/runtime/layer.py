@@ -73,6 +73,12 @@ CLEAR_SAVING = 0.10
 # measured this much faster than dense: layers kept on 5-9 % trial wins re-timed 9 % slower after their
 # migration on fast links here (the owner moves, paid for, then ended on dense)
 OWNER_MOVE_WIN = 0.15
+# the model's clear favourite among the schedules other than dense (priced `CLEAR_SAVING` below the fastest) stays
+# unless the fastest measures this much faster: with the fine-grained model at 1 Gbit/s the first trials' 3-step
+# medians put direct 2-10 % ahead of hierarchical (priced 12 % below it) in 6 of 12 jobs, where side by side in one
+# job direct ran at 0.944x DeepSpeed and hierarchical at 1.052x; at 100 Mbit/s a 2 % win took a layer to direct,
+# whose steps then ran ~15 % slower
+FAVOURITE_MARGIN = 0.15
 # steps of the model's favourite before the schedule trials: the first steps of a run are slower than the next
 # ones (at loopback here ~250, 200, 170 ms, then ~150), which would count against what runs in them
 SCHEDULE_WARMUP = 3
@@ -354,7 +360,8 @@ class LayerCore:
         call (dense; in a re-timing against dense's known time, the schedule kept)."""
         return StepTimedChoice(candidates, warmup=warmup, prefer=prefer, margin=DENSE_MARGIN,
                                screen_ratio=SCREEN_RATIO, agreed_ratio=AGREED_SCREEN_RATIO, known=known,
-                               disputed_margin=DISPUTED_DENSE_MARGIN, clear_saving=CLEAR_SAVING)
+                               disputed_margin=DISPUTED_DENSE_MARGIN, clear_saving=CLEAR_SAVING,
+                               favourite_margin=FAVOURITE_MARGIN)
 
     def _schedule_candidates(self, without: tuple[str, ...] = (), previous: str | None = None) -> list[str]:
         """The schedules `auto` chooses from. After a layout change (`previous`: the schedule of the last decision,

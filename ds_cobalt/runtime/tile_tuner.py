@@ -157,9 +157,9 @@ class StepTimedChoice:
     (`use_model`) does not price the winner's communication at least `clear_saving` (a fraction) below `prefer`'s,
     the winner must be faster by `disputed_margin` instead: the model sees no saving it can resolve, so only a clear
     measurement replaces the safe candidate. Among the others, likewise, the candidate the model prices
-    `clear_saving` below the fastest stays unless the fastest is faster by more than `margin` (at 100 Mbit/s here a
-    2 % faster 3-step median took one layer to `direct`, priced 36 % above hierarchical, and its steps then ran
-    ~15 % slower). Every
+    `clear_saving` below the fastest stays unless the fastest is faster by more than `favourite_margin` (default
+    `margin`; at 100 Mbit/s here a 2 % faster 3-step median took one layer to `direct`, priced 36 % above
+    hierarchical, and its steps then ran ~15 % slower). Every
     rank of the EP group walks the same trials and agrees through one all-reduce (MAX: the slowest rank decides).
 
     With `screen_ratio`, one more all-reduce after the first round drops the candidates whose first trial took
@@ -177,12 +177,14 @@ class StepTimedChoice:
     def __init__(self, candidates: Sequence[str], repeats: int = 3, warmup: int = 1, prefer: str | None = None,
                  margin: float = 0.0, screen_ratio: float | None = None, agreed_ratio: float | None = None,
                  known: dict[str, float] | None = None, disputed_margin: float | None = None,
+                 favourite_margin: float | None = None,
                  clear_saving: float = 0.0) -> None:
         self.repeats = repeats
         self.known = {c: t for c, t in (known or {}).items() if c in candidates}
         self.warmup = warmup
         self.prefer, self.margin = prefer, margin
         self.disputed_margin = margin if disputed_margin is None else disputed_margin
+        self.favourite_margin = margin if favourite_margin is None else favourite_margin
         self.clear_saving = clear_saving
         self.screen_ratio = screen_ratio
         self.agreed_ratio = screen_ratio if agreed_ratio is None else agreed_ratio
@@ -346,8 +348,8 @@ class StepTimedChoice:
         contenders = {**timed, **self.known}
         self.chosen = min(contenders, key=contenders.__getitem__)
         favourite = self._priced_favourite(contenders)
-        if favourite is not None and contenders[self.chosen] > (1.0 - self.margin) * contenders[favourite]:
-            self.chosen = favourite  # the model's clear favourite stays within `margin` of a faster other candidate
+        if favourite is not None and contenders[self.chosen] > (1.0 - self.favourite_margin) * contenders[favourite]:
+            self.chosen = favourite  # the model's clear favourite stays within `favourite_margin` of a faster other
         safe = self.medians.get(self.prefer) if self.prefer is not None else None
         disputed = (self.chosen in self.predicted and self.prefer in self.predicted
                     and not self.priced_below(self.chosen, self.prefer, self.clear_saving))

@@ -339,13 +339,17 @@ def test_step_timed_choice_needs_a_clear_win_where_the_model_disagrees(monkeypat
 
 @pytest.mark.parametrize("hierarchical_predicted,direct_s,chosen", [
     (1.0, 0.97, "hierarchical"),  # the model prices hierarchical clearly below direct: a 3 % faster direct loses
-    (1.0, 0.94, "direct"),  # ... and a 6 % faster one wins (DENSE_MARGIN)
+    (1.0, 0.90, "hierarchical"),  # ... so does a 10 % faster one
+    (1.0, 0.84, "direct"),  # ... and a 16 % faster one wins (FAVOURITE_MARGIN)
     (1.45, 0.97, "direct"),  # priced within CLEAR_SAVING of direct: the faster median wins
 ])
 def test_step_timed_choice_keeps_the_models_clear_favourite_in_a_close_call(monkeypatch, hierarchical_predicted,
                                                                             direct_s, chosen) -> None:
     """Between candidates other than the preferred one (dense), the one the model prices CLEAR_SAVING below the
-    fastest stays unless the fastest measured DENSE_MARGIN faster; dense keeps its own rule."""
+    fastest stays unless the fastest measured FAVOURITE_MARGIN faster; dense keeps its own rule."""
+    from ds_cobalt.runtime.layer import FAVOURITE_MARGIN
+
+    assert FAVOURITE_MARGIN == 0.15
     from ds_cobalt.runtime import tile_tuner
     from ds_cobalt.runtime.layer import LayerCore
     from ds_cobalt.runtime.topology import EPGroups
