@@ -440,6 +440,12 @@ class LayerCore:
         return self.schedule == DENSE
 
     @property
+    def owner_moves_declined(self) -> bool:
+        """`ScheduleGate` judged this layer after step 1 and priced its schedules' saving over dense below
+        `OWNER_MOVE_SHARE`: no owner moves, no plan before the trials, and after the first choice no re-plans."""
+        return self.owner_moves_judged and not self.owner_moves_priced
+
+    @property
     def layout_settled(self) -> bool:
         """Whether re-plans leave this layer out: it runs the dense schedule (`settled_dense`), or its first choice is
         made and `ScheduleGate` priced its schedules' saving over dense too small against the step for owner moves
@@ -447,8 +453,7 @@ class LayerCore:
         a small saving (fine-grained model at 1 Gbit/s here: the re-plans after steps 13 and 25 changed only spare
         slots, steps 14-30 ran 0.6-0.7 s above DeepSpeed's in three of four 60-step jobs, and most such layers then
         settled on dense)."""
-        return self.settled_dense or (self.first_schedule_chosen and self.owner_moves_judged
-                                      and not self.owner_moves_priced)
+        return self.settled_dense or (self.first_schedule_chosen and self.owner_moves_declined)
 
     @property
     def expects_layout_gain(self) -> bool:
@@ -462,7 +467,7 @@ class LayerCore:
         chooser = self._chooser
         if chooser is None or self.first_schedule_chosen or not chooser.predicted:
             return False
-        if self.owner_moves_judged and not self.owner_moves_priced:
+        if self.owner_moves_declined:
             return False
         if DENSE in chooser.pruned:
             return True
@@ -555,7 +560,7 @@ class LayerCore:
         slots only: a narrow win may not hold on the new layout, and owner moves that end on dense are paid for
         nothing."""
         chooser = self._chooser
-        if self.owner_moves_judged and not self.owner_moves_priced:
+        if self.owner_moves_declined:
             return False
         if not self.first_schedule_chosen:
             return self.owner_moves_judged or (chooser is not None and DENSE in chooser.pruned)
