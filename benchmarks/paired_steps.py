@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["deepspeed", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, INTERVAL))])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
+    p.add_argument("--no-barrier", dest="barrier", action="store_false",
+                   help="no barrier before a timed step, as `auto`'s trials time them: a variant's step is still the "
+                        "slowest rank's own window, and `aligned_medians_s` gives each step from the last rank's start")
     add_model_arguments(p)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
@@ -81,38 +84,63 @@ def main(argv: list[str] | None = None) -> None:
     micro = engines[args.variants[0]].train_micro_batch_size_per_gpu()
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     losses: dict[str, list[float]] = {v: [] for v in args.variants}
+    aligned: dict[str, list[float]] = {v: [] for v in args.variants}
+    skews: dict[str, list[float]] = {v: [] for v in args.variants}
+    cpu: dict[str, list[float]] = {v: [] for v in args.variants}
     for step in range(args.steps):
         ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
                                       micro_batch=micro, seq_len=args.seq_len)
         order = args.variants[step % len(args.variants):] + args.variants[: step % len(args.variants)]
         for variant in order:
             engine = engines[variant]
-            dist.barrier()
-            t0 = time.perf_counter()
+            if args.barrier:
+                dist.barrier()
+            t0 = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every rank of this machine's namespaces
+            cpu0 = time.process_time()
             loss, _, _ = engine(ids, targets, 0.01)
             engine.backward(loss)
             engine.step()
-            seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's step
-            times[variant].append(float(seconds))
+            stamps = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+            mine = [t0, time.perf_counter(), time.process_time() - cpu0]
+            dist.all_gather(stamps, torch.tensor(mine, dtype=torch.float64))
+            starts, ends, cpus = zip(*(s.tolist() for s in stamps))
+            cpu[variant].append(statistics.fmean(cpus))  # the process's CPU (gloo's threads too), mean of the ranks
+            times[variant].append(max(e - s for s, e in zip(starts, ends)))  # the slowest rank's own window
+            aligned[variant].append(max(ends) - max(starts))  # from the last rank's start: the skew left out
+            skews[variant].append(max(starts) - min(starts))
             losses[variant].append(float(loss.detach()))
     tokens = world * micro * args.seq_len
     medians = {v: statistics.median(t[args.skip:]) for v, t in times.items()}
     ref = medians.get("deepspeed")
+    aligned_medians = {v: statistics.median(t[args.skip:]) for v, t in aligned.items()}
+    skew_medians = {v: statistics.median(t[args.skip:]) for v, t in skews.items()}
+    cpu_medians = {v: statistics.median(t[args.skip:]) for v, t in cpu.items()}
     schedules = {v: [core.schedule for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     models = {v: [core.schedule_model for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     means = {v: statistics.fmean(t) for v, t in times.items()}  # every step, trials and warm-up included
     migrations = {v: [(m.step, m.ok, len(m.moved)) for m in getattr(engines[v], "cobalt_migrations", [])]
                   for v in args.variants if v != "deepspeed"}
-    result = {"medians_s": medians, "means_all_steps_s": means, "schedule_models": models, "tokens_per_step": tokens,
+    gate = {v: [d for hook in getattr(engines[v], "cobalt_step_hooks", []) for d in getattr(hook, "decisions", [])]
+            for v in args.variants if v != "deepspeed"}  # `ScheduleGate`'s checks: the model's saving share
+    histories = {v: [core.schedule_history for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
+    result = {"medians_s": medians, "schedule_gate": gate, "schedule_histories": histories,
+              "means_all_steps_s": means, "schedule_models": models, "tokens_per_step": tokens,
               "speedup_vs_deepspeed": {v: ref / m for v, m in medians.items()} if ref else {},
+              "aligned_medians_s": aligned_medians, "start_skew_medians_s": skew_medians,
+              "aligned_step_times_s": aligned, "start_skews_s": skews,
+              "cpu_medians_s": cpu_medians, "cpu_times_s": cpu,
               "schedules": schedules, "migrations": migrations, "step_times_s": times, "losses": losses,
               "args": vars(args)}
     if rank == 0:
-        print(f"paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step (slowest rank)")
+        print(f"paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step (slowest rank)"
+              + ("" if args.barrier else ", no barrier before a step"))
         for v, m in medians.items():
             extra = f"  vs DeepSpeed {ref / m:.3f}" if ref else ""
+            if not args.barrier:
+                extra += (f"  from the last start {aligned_medians[v] * 1e3:.2f} ms"
+                          f" (start skew {skew_medians[v] * 1e3:.2f} ms)")
             print(f"  {v:>14}: {m * 1e3:8.2f} ms  {tokens / m:8.0f} tokens/s{extra}  {schedules.get(v, '')}"
+                  f"  CPU {cpu_medians[v] * 1e3:.1f} ms/rank"
                   f"  (mean of all steps {means[v] * 1e3:.2f} ms)")
         for v, moves in migrations.items():
             if moves:

@@ -7,7 +7,10 @@ in DeepSpeed's contiguous layout. So `save_checkpoint` migrates to the contiguou
 optimizer state, `migration.migrate`), lets DeepSpeed write, and migrates back; the ds_cobalt layout rides
 along in the client state under `"ds_cobalt"`. `load_checkpoint` installs the contiguous tables, lets
 DeepSpeed load, re-links ZeRO's optimizer-state fragments, and migrates to the saved layout when the
-topology matches (else training continues from the contiguous layout, and the next replan moves it).
+topology matches (else training continues from the contiguous layout, and the next replan moves it). With the
+layout come `auto`'s decisions for it (`"decisions"`, one `LayerCore.decision_state()` per layer: the schedule in
+use, the gate's verdicts, the histories): a resumed run keeps the schedules and owner-move verdicts of the run that
+saved; the round trip to logical order keeps them too, so a save does not re-time the layers.
 
 The files are therefore exactly DeepSpeed's: they load into vanilla `deepspeed.moe.layer.MoE` and back.
 What DeepSpeed's format itself cannot do is optimizer state at a different data-parallel / expert-parallel
@@ -105,7 +108,8 @@ def _rank() -> int:
 def layout_metadata(layers: list[Any]) -> dict:
     topo = layers[0].topology
     return {"format": FORMAT, "ep_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-            "num_experts": layers[0].num_experts, "layouts": [layer.layout_slots.tolist() for layer in layers]}
+            "num_experts": layers[0].num_experts, "layouts": [layer.layout_slots.tolist() for layer in layers],
+            "decisions": [layer.decision_state() for layer in layers]}
 
 
 class LogicalOrderError(RuntimeError):
@@ -122,6 +126,7 @@ def logical_order(engine: Any, purpose: str = "logical order") -> Iterator[None]
     flush_pending(engine)
     layers = migratable_layers(engine)
     current = [layer.layout_slots.copy() for layer in layers]
+    held = [layer.hold_decisions() for layer in layers]
     targets = [None if _owners_contiguous(layer) else _contiguous(layer) for layer in layers]
     moved = any(t is not None for t in targets)
     if moved:
@@ -134,7 +139,10 @@ def logical_order(engine: Any, purpose: str = "logical order") -> Iterator[None]
     finally:
         if moved:
             back = migrate(engine, current, reason=f"{purpose}: back to the training layout")
-            if not back.ok:
+            if back.ok:  # the same layouts again: the schedule choices stand (no re-timing after a save)
+                for layer, decisions in zip(layers, held):
+                    layer.reinstate_decisions(decisions)
+            else:
                 logger.error("ds_cobalt: could not migrate back to the training layout; training continues in the "
                              "contiguous one (correct, but without the planned placement)")
 
@@ -181,6 +189,9 @@ def load_logical(engine: Any, load: Any, load_dir: str, tag: Any = None, *args: 
                              reason="checkpoint: restore saved layout")
             if not report.ok:
                 logger.error("ds_cobalt: could not restore the saved layout; continuing in the contiguous one")
+            else:  # `auto`'s choices for that layout go on as in the run that saved it
+                for layer, decisions in zip(layers, meta.get("decisions") or []):
+                    layer.restore_decisions(decisions)
         else:
             logger.info(f"ds_cobalt: checkpoint layout is for (ep_size, ranks_per_node, experts, layers) = "
                         f"{found[1:]}, this run is {expected[1:]}; continuing from the contiguous layout")

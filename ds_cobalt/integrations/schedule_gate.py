@@ -8,7 +8,8 @@ whole step can neither be resolved by the trials nor be relied on. This step hoo
 dense across the layers that still make their first choice and compares it with a dense step: the layers'
 warm-up windows (forward to the end of the optimizer step; the slowest rank's, one all-reduce) plus dense's
 predicted excess over the favourite that ran them. Below `MATERIAL_SAVING`:
-- after step 1 (`BEFORE_TRIALS_STEP`): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
+- after step 1 (`BEFORE_TRIALS_STEP`; in a resumed run, after its first step, for the layers whose first choice the
+  checkpoint did not carry): no plan before the trials (`LayerCore.layout_gain_material`) for the layers
   whose model does not rule dense out, since the planner worker's CPU would be spent beside the first steps; and
   dense runs the rest of their warm-up (`LayerCore.warm_up_on_dense`), so that the check below times dense's own
   step and a layer kept on dense ran DeepSpeed's exchange from step 2. The plan before the trials runs, and moves
@@ -75,6 +76,7 @@ class ScheduleGate:
     def __init__(self) -> None:
         self._cores: list[LayerCore] | None = None
         self._material: set[int] = set()  # id() of the layers whose saving a check found material
+        self._judged_owner_moves = False  # the check after the first step this engine ran
         # per check: step, what for, layers, step seconds, the model's saving share and that share where immaterial
         self.decisions: list[dict[str, Any]] = []
 
@@ -82,7 +84,8 @@ class ScheduleGate:
         if self._cores is None:
             self._cores = layer_cores(engine)
         step = int(engine.global_steps)
-        if step == BEFORE_TRIALS_STEP:
+        if not self._judged_owner_moves and step >= BEFORE_TRIALS_STEP:  # after step 1, or the first after a resume
+            self._judged_owner_moves = True
             modelled = [core for core in self._cores if core.dense_modelled]
             for cores, share, priced in self._verdicts(step, "plan", modelled):
                 for core in cores:

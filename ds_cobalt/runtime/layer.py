@@ -73,6 +73,12 @@ CLEAR_SAVING = 0.10
 # measured this much faster than dense: layers kept on 5-9 % trial wins re-timed 9 % slower after their
 # migration on fast links here (the owner moves, paid for, then ended on dense)
 OWNER_MOVE_WIN = 0.15
+# ... and where `ScheduleGate` declined the owner moves (the model's saving priced below its share of the step), a
+# measured win this large overrules it: the model's link speed comes from a probe that read 1.2-1.4x the link's
+# share in fresh jobs at 1 Gbit/s, and at 100 Mbit/s the default model's share moved between 16 % and 23-27 % from
+# job to job while hierarchical measured 33-46 % faster than dense; the trial wins the gate was right to distrust
+# (fine-grained model at 1 Gbit/s) were 15-24 %, their steady steps 4-6 %
+DECLINE_OVERRULING_WIN = 0.30
 # the model's clear favourite among the schedules other than dense (priced `CLEAR_SAVING` below the fastest) stays
 # unless the fastest measures this much faster: with the fine-grained model at 1 Gbit/s the first trials' 3-step
 # medians put direct 2-10 % ahead of hierarchical (priced 12 % below it) in 6 of 12 jobs, where side by side in one
@@ -442,8 +448,20 @@ class LayerCore:
     @property
     def owner_moves_declined(self) -> bool:
         """`ScheduleGate` judged this layer after step 1 and priced its schedules' saving over dense below
-        `OWNER_MOVE_SHARE`: no owner moves, no plan before the trials, and after the first choice no re-plans."""
-        return self.owner_moves_judged and not self.owner_moves_priced
+        `OWNER_MOVE_SHARE`: no owner moves, no plan before the trials, and after the first choice no re-plans; unless
+        the last decision measured the kept schedule `DECLINE_OVERRULING_WIN` faster than dense (the measurement wins
+        over the model)."""
+        return self.owner_moves_judged and not self.owner_moves_priced and not self._measured_win(
+            DECLINE_OVERRULING_WIN)
+
+    def _measured_win(self, win: float) -> bool:
+        """The last decision kept a schedule other than dense that measured at least `win` (a fraction of dense's
+        step) faster than dense."""
+        if not self.schedule_history:
+            return False
+        last = self.schedule_history[-1]
+        timings, kept = last["timings_s"], last["schedule"]
+        return kept != DENSE and kept in timings and DENSE in timings and timings[kept] <= (1.0 - win) * timings[DENSE]
 
     @property
     def layout_settled(self) -> bool:
@@ -535,6 +553,70 @@ class LayerCore:
         self.schedule_history.append({"forward": self.forwards, "schedule": DENSE, "timings_s": {},
                                       "model": self.schedule_model, "untimed_saving_share": saving_share})
 
+    # ----- auto's decisions across a checkpoint or a round trip to logical order ------------------------------
+    def decision_state(self) -> dict:
+        """What `auto` and `ScheduleGate` decided for this layer, as plain Python values (a checkpoint's client state,
+        `integrations/checkpoint.py`): the schedule in use (None while one is timed), the one kept by the last
+        decision, dense's step seconds in it, the gate's verdicts, the cost model's last input and both histories
+        (their `forward` numbers count the forwards of the run that made them)."""
+        chooser = self._chooser
+        return {"transport_schedule": self.settings.transport.schedule, "schedule": self.schedule,
+                "kept": self._kept_schedule, "dense_seconds": self._dense_seconds,
+                "dense_ruled_out": self._dense_ruled_out, "layout_gain_material": self.layout_gain_material,
+                "owner_moves_judged": self.owner_moves_judged, "owner_moves_priced": self.owner_moves_priced,
+                "timings_s": self.schedule_timings,
+                "predicted": {} if chooser is None else dict(chooser.predicted),
+                "pruned": [] if chooser is None else list(chooser.pruned),
+                "schedule_history": [dict(h) for h in self.schedule_history],
+                "replica_history": [dict(h) for h in self.replica_history]}
+
+    def hold_decisions(self) -> tuple:
+        """This layer's choosers as they are, for `reinstate_decisions` once the same layout is back (a round trip to
+        logical order for a checkpoint or an export, between steps: no trial step is open)."""
+        return (self._chooser, self._chooser_from_forward, self._replica_chooser, self._replica_schedule,
+                self._kept_schedule, self._dense_seconds, self._dense_ruled_out)
+
+    def reinstate_decisions(self, held: tuple) -> None:
+        """Put back `hold_decisions()`: installing the layout again started a new choice, which the round trip does
+        not call for (saving a checkpoint would otherwise re-time every layer not on dense)."""
+        (self._chooser, self._chooser_from_forward, self._replica_chooser, self._replica_schedule,
+         self._kept_schedule, self._dense_seconds, self._dense_ruled_out) = held
+
+    def restore_decisions(self, state: dict) -> bool:
+        """Continue from `decision_state()`, taken on this layer's topology and current layout (a checkpoint loaded
+        with its layout, or the layout back after `logical_order`), as the run that took it would have: a schedule
+        chosen then is used again untimed; where one was being timed against dense, that timing starts over on this
+        layout; before the first choice the trials start over. How the spare slots are used is chosen again from
+        the restored history (`_replica_mode`). Only where the run that saved and this one both use
+        `transport.schedule: "auto"` (False, nothing changed, otherwise); ValueError naming the key where a schedule
+        is not one this layer can run."""
+        if self.settings.transport.schedule != "auto" or state.get("transport_schedule") != "auto":
+            return False
+        missing = [key for key in self.decision_state() if key not in state]
+        if missing:
+            raise ValueError(f"ds_cobalt decisions: missing {missing}")
+        allowed = self._schedule_candidates()
+        for key in ("schedule", "kept"):
+            if state.get(key) not in (None, *allowed):
+                raise ValueError(f"ds_cobalt decisions: {key} {state[key]!r} is not a schedule this layer runs "
+                                 f"({allowed})")
+        self._dense_ruled_out = bool(state["dense_ruled_out"])
+        self.layout_gain_material = bool(state["layout_gain_material"])
+        self.owner_moves_judged = bool(state["owner_moves_judged"])
+        self.owner_moves_priced = bool(state["owner_moves_priced"])
+        self.schedule_history = [dict(h) for h in state["schedule_history"]]
+        self.replica_history = [dict(h) for h in state["replica_history"]]
+        self._kept_schedule, self._dense_seconds = state["kept"], state["dense_seconds"]
+        if state["schedule"] is not None and self._kept_schedule is not None:
+            chooser = StepTimedChoice([state["schedule"]])
+            chooser.predicted, chooser.pruned = dict(state["predicted"]), list(state["pruned"])
+            chooser.medians = dict(state["timings_s"])
+            self._chooser, self._chooser_from_forward = chooser, self.forwards
+            self._replica_chooser = self._replica_schedule = None
+        else:  # the re-timing of the kept schedule, or the first trials, start over on this layout
+            self.install_layout(self.layout_slots)
+        return True
+
     @property
     def traffic_bound(self) -> bool:
         """The cost model found this layer's traffic material to its steps: it ruled dense out in the last decision
@@ -553,7 +635,8 @@ class LayerCore:
         dense large enough against the step (`owner_moves_priced`), or, without its verdict, the cost model rules
         dense out. After it: the last decision measured the kept schedule at least `OWNER_MOVE_WIN` faster than
         dense, or dense was not measured in it (a fixed schedule, or ranks with different fixed capacities); and
-        where `ScheduleGate` judged the layer, it priced the owner moves too: a trial win against a saving the model
+        where `ScheduleGate` judged the layer, it priced the owner moves too, or the win measured
+        `DECLINE_OVERRULING_WIN`: a trial win against a saving the model
         put small against the step was not the steady one (fine-grained model at 1 Gbit/s here: the model's share
         10-14 %, first trials 15-24 % in favour of hierarchical, steady steps 4-6 %; in two of three jobs a layer
         whose owners moved after them, 27-52 experts, went back to dense). Elsewhere the layer takes a plan's spare
@@ -565,10 +648,9 @@ class LayerCore:
         if not self.first_schedule_chosen:
             return self.owner_moves_judged or (chooser is not None and DENSE in chooser.pruned)
         last = self.schedule_history[-1]
-        timings, kept = last["timings_s"], last["schedule"]
-        if kept == DENSE or DENSE not in timings:
-            return kept != DENSE
-        return timings[kept] <= (1.0 - OWNER_MOVE_WIN) * timings[DENSE]
+        if last["schedule"] == DENSE or DENSE not in last["timings_s"]:
+            return last["schedule"] != DENSE
+        return self._measured_win(OWNER_MOVE_WIN)
 
     @property
     def stage2(self) -> str | None:
@@ -820,8 +902,11 @@ class LayerCore:
         if newly_decided or (decided and chooser.chosen != self._kept_schedule):
             self._kept_schedule = chooser.chosen
             self._dense_seconds = chooser.medians.get(DENSE, self._dense_seconds)
-            self.schedule_history.append({"forward": self.forwards, "schedule": chooser.chosen,
-                                          "timings_s": self.schedule_timings, "model": self.schedule_model})
+            entry = {"forward": self.forwards, "schedule": chooser.chosen, "timings_s": self.schedule_timings,
+                     "model": self.schedule_model}
+            if chooser.sequence:  # this rank's timed steps in the order run (the decision: medians, slowest rank)
+                entry["trial_steps"] = [[c, t] for c, t in chooser.sequence]
+            self.schedule_history.append(entry)
         if newly_decided and self.topology.rank == 0:
             _log.info("ds_cobalt transport: chose the %s schedule (median step seconds %s, dropped after one timed "
                       "step: %s; model's communication seconds %s, ruled out by it: %s)", chooser.chosen,

@@ -196,6 +196,7 @@ class StepTimedChoice:
         self._trial = 0
         self._started: float | None = None
         self.warmup_s: list[float] = []  # the warm-up steps' seconds on this rank (not in the decision)
+        self.sequence: list[tuple[str, float]] = []  # the timed trials in the order run: (candidate, seconds here)
         self._set_candidates(list(candidates))
 
     def _set_candidates(self, candidates: list[str]) -> None:
@@ -286,6 +287,7 @@ class StepTimedChoice:
     def _close(self, now: float) -> None:
         if self._trial >= self.warmup:
             self.times[self.trials[self._trial]].append(now - self._started)
+            self.sequence.append((self.trials[self._trial], now - self._started))
         else:
             self.warmup_s.append(now - self._started)
         self._trial += 1

@@ -18,10 +18,18 @@ def _layouts(engine) -> list[np.ndarray]:
     return [layer.layout_slots.copy() for layer in cobalt_layers(engine)]
 
 
+def _decisions(core) -> dict:
+    """What a resume must carry of `auto`'s state for a layer (the rest is re-timed where a timing was running)."""
+    state = core.decision_state()
+    return {key: state[key] for key in ("schedule", "kept", "owner_moves_judged", "owner_moves_priced",
+                                        "schedule_history")}
+
+
 def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     import torch
 
     import ds_cobalt
+    from ds_cobalt.integrations.layers import layer_cores
     from ds_cobalt.integrations.migration import migrate
 
     out: dict[str, Any] = {}
@@ -37,8 +45,16 @@ def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     with ds_cobalt.logical_order(engine):  # a state dict with DeepSpeed's meaning (this rank's experts r*E/W...)
         exported = {key: value.clone() for key, value in engine.module.state_dict().items()}
     out["layout_kept_after_export"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
+    # `auto`'s decisions ride along: layer 0 settled on dense (untimed), layer 1 with the gate's verdict
+    cores = layer_cores(engine)
+    cores[0].settle_dense(0.05)
+    cores[1].owner_moves_judged = cores[1].owner_moves_priced = True
+    saved_decisions = [_decisions(core) for core in cores]
+    choosers = [core._chooser for core in cores]
     engine.save_checkpoint(cobalt_dir, tag="s6")
     out["layout_kept_after_save"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
+    # the round trip to logical order re-timed nothing: the same choosers go on
+    out["decisions_kept_after_save"] = all(core._chooser is c for core, c in zip(layer_cores(engine), choosers))
     out["ref_cobalt"] = train(engine, range(6, 10))
     engine.destroy()
     # vanilla DeepSpeed resumes the ds_cobalt checkpoint, then saves its own at step 6.
@@ -59,6 +75,7 @@ def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     # ... and its own, restoring the saved layout.
     engine.load_checkpoint(cobalt_dir, tag="s6")
     out["layout_restored"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
+    out["decisions_restored"] = [_decisions(core) for core in layer_cores(engine)] == saved_decisions
     out["cobalt_from_cobalt"] = train(engine, range(6, 10))
     engine.destroy()
     # module only, at the sizes that saved it: DeepSpeed's semantics (each engine keeps its own, fresh optimizer)
@@ -75,6 +92,7 @@ def test_checkpoint_round_trips_with_vanilla_deepspeed(run_ranks: Any, tmp_path,
     res = run_ranks(_round_trips, 4, stage, str(tmp_path), ranks_per_node=2, timeout=240)
     for r in res:
         assert r["layout_kept_after_save"] and r["contiguous_after_vanilla"] and r["layout_restored"]
+        assert r["decisions_kept_after_save"] and r["decisions_restored"]
         assert r["layout_kept_after_export"] and r["export_is_deepspeeds"]
         np.testing.assert_allclose(r["vanilla_from_cobalt"], r["ref_cobalt"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(r["cobalt_from_cobalt"], r["ref_cobalt"], rtol=1e-5, atol=1e-6)

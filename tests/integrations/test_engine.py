@@ -509,15 +509,16 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
             self.first_schedule_chosen, self.settled = True, share
 
     def run(gaps: list[float], windows: list[float], windows_from: dict[int, list[float]] | None = None,
-            due_steps: tuple[int, ...] = (3,), ruled_out: tuple[bool, ...] = (False, False),
+            due_steps: tuple[int, ...] = (3,), ruled_out: tuple[bool, ...] = (False, False), first_step: int = 1,
             ) -> tuple[list[Layer], schedule_gate.ScheduleGate]:
-        """`windows_from`: the layers' warm-up windows from a step on; `ruled_out`: the model rules dense out."""
+        """`windows_from`: the layers' warm-up windows from a step on; `ruled_out`: the model rules dense out;
+        `first_step`: the engine's first step (after a resume: the step after the checkpoint's)."""
         layers = [Layer(gap, window) for gap, window in zip(gaps, windows)]
         for layer, out in zip(layers, ruled_out):
             layer.dense_ruled_out = out
         gate = schedule_gate.ScheduleGate()
         gate._cores = layers
-        for step in range(1, 6):
+        for step in range(first_step, first_step + 5):
             now = [windows] + [w for first, w in sorted((windows_from or {}).items()) if first <= step]
             for layer, window in zip(layers, now[-1]):
                 layer.step, layer.due_steps, layer.warmup_step_s = step, due_steps, window
@@ -561,6 +562,10 @@ def test_schedule_gate_checks_the_plan_after_step_one_and_the_trials_after_the_w
     layers, gate = run([0.005, 0.005], [0.25, 0.2], ruled_out=(True, False))
     assert [layer.settled for layer in layers] == [None, pytest.approx(0.005 / 0.205)]  # its own window and gap
     assert [(d["for"], d["layers"]) for d in gate.decisions] == [("plan", 2), ("trials", 1)]
+    # a resumed run (first step 41) whose checkpoint carried no first choice: judged after its own first step
+    layers, gate = run([0.03, 0.03], [0.25, 0.2], first_step=41, due_steps=(43,))
+    assert [(layer.owner_moves_judged, layer.owner_moves_priced) for layer in layers] == [(True, False)] * 2
+    assert [(d["step"], d["for"]) for d in gate.decisions] == [(41, "plan")]
 
 
 def test_plan_before_trials_starts_after_step_one_for_the_layers_expecting_a_gain() -> None:
@@ -717,11 +722,11 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     choice, owners move only where `ScheduleGate` priced the saving large against the step (without its verdict: the
     cost model rules dense out); after it, where the kept schedule follows the layout and dense was not measured in
     the last decision, or measured OWNER_MOVE_WIN slower (the measurement wins over the model's ruling), and the
-    gate, where it judged the layer, priced it large; never held with `migration.ignore_cost_model`, and skipped
-    layers are not listed."""
+    gate, where it judged the layer, priced it large or the win was DECLINE_OVERRULING_WIN; never held with
+    `migration.ignore_cost_model`, and skipped layers are not listed."""
 
     from ds_cobalt.config import MigrationConfig, PlannerConfig
-    from ds_cobalt.runtime.layer import OWNER_MOVE_WIN, LayerCore
+    from ds_cobalt.runtime.layer import DECLINE_OVERRULING_WIN, OWNER_MOVE_WIN, LayerCore
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
 
     def core(pruned=(), history=()):
@@ -757,7 +762,7 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     for history, expected in cases:
         assert core(history=history).owners_may_move is expected, history
     # re-plans leave out a layer on dense, and one whose first choice is made where the gate priced the saving small
-    settled = core(history=cases[0][0])
+    settled = core(history=cases[1][0])
     assert not settled.layout_settled
     settled.owner_moves_judged = True
     assert settled.layout_settled
@@ -769,10 +774,16 @@ def test_owners_stay_unless_dense_is_ruled_out_or_clearly_beaten() -> None:
     # after the first choice too, a clear trial win moves no owners where `ScheduleGate` priced the saving small
     # against the step; where it priced it large, the measured win decides as above
     for priced_large in (False, True):
-        for history, expected in cases[:3]:
+        for history, expected in cases[1:3]:
             judged = core(history=history)
             judged.owner_moves_judged, judged.owner_moves_priced = True, priced_large
             assert judged.owners_may_move is (expected and priced_large), history
+    # ... unless the win measured DECLINE_OVERRULING_WIN (the measurement wins over the model's price)
+    assert DECLINE_OVERRULING_WIN == 0.30
+    for ratio, overruled in ((0.69, True), (0.71, False)):
+        judged = core(history=[("hierarchical", {"hierarchical": ratio, "dense": 1.0}, [])])
+        judged.owner_moves_judged = True
+        assert judged.owners_may_move is overruled and judged.layout_settled is not overruled, ratio
     layers = [core(history=h) for h, _ in cases[:3]]
     hook = _timeline_replanner(layers, PlannerConfig())
     assert hook._owners_staying([]) == [2] and hook._owners_staying([2]) == []
@@ -834,6 +845,60 @@ def test_retime_kept_restarts_the_choice_on_the_same_layout_only_after_a_choice(
         layer = core(kept, chosen)
         assert layer.retime_kept() is expected, (kept, chosen)
         assert len(layer.installed) == int(expected)
+
+
+def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
+    """`LayerCore.decision_state` / `restore_decisions`: a schedule chosen at the save is used again untimed, with the
+    gate's verdicts and the histories; where a timing was running, the layer times again on its layout (re-timing the
+    kept schedule, or its first trials); nothing is restored where either run pins a schedule; a schedule the layer
+    cannot run, or a missing key, is a ValueError naming it."""
+    import types
+
+    import numpy as np
+
+    from ds_cobalt.runtime.layer import LayerCore
+    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+
+    def core(schedule="auto"):
+        layer = LayerCore.__new__(LayerCore)
+        layer.settings = types.SimpleNamespace(transport=types.SimpleNamespace(schedule=schedule))
+        layer._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
+        layer._chooser.use_model({"hierarchical": 1.0, "direct": 1.5, "dense": 2.0}, [])
+        layer._replica_chooser, layer._replica_schedule = StepTimedChoice(["step"]), "hierarchical"
+        layer._schedule_candidates = lambda: ["hierarchical", "direct", "dense"]
+        layer._kept_schedule = layer._dense_seconds = None
+        layer._dense_ruled_out, layer.layout_gain_material = False, True
+        layer.owner_moves_judged = layer.owner_moves_priced = False
+        layer.schedule_history, layer.replica_history, layer.forwards = [], [], 0
+        layer._placement = types.SimpleNamespace(slots_WS=np.arange(8).reshape(4, 2))
+        layer.installed = []
+        layer.install_layout = layer.installed.append
+        return layer
+
+    saved = core()
+    saved._chooser = StepTimedChoice(["direct"])
+    saved._chooser.predicted, saved._chooser.pruned = {"direct": 1.5, "dense": 2.0}, ["dense"]
+    saved._chooser.medians = {"direct": 0.2, "dense": 0.3}
+    saved._kept_schedule, saved._dense_seconds, saved._dense_ruled_out = "direct", 0.3, True
+    saved.owner_moves_judged = saved.owner_moves_priced = True
+    saved.schedule_history = [{"forward": 12, "schedule": "direct", "timings_s": {"direct": 0.2, "dense": 0.3},
+                               "model": {"predicted_comm_s": {"direct": 1.5, "dense": 2.0}, "pruned": ["dense"]}}]
+    state = saved.decision_state()
+    resumed = core()
+    assert resumed.restore_decisions(state) and not resumed.installed
+    assert resumed.decision_state() == state and resumed.schedule == "direct"
+    assert resumed.owners_may_move and resumed.traffic_bound and resumed._replica_chooser is None
+    for timing in ({"schedule": None}, {"schedule": None, "kept": None}):  # a re-timing, the first trials
+        resumed = core()
+        assert resumed.restore_decisions({**state, **timing}) and resumed.installed == [resumed.layout_slots]
+        assert resumed._kept_schedule == timing.get("kept", "direct")
+    pinned = core("hierarchical")
+    assert not pinned.restore_decisions(state) and pinned.owner_moves_judged is False
+    assert not core().restore_decisions({**state, "transport_schedule": "direct"})
+    with pytest.raises(ValueError, match="schedule 'overlapped'"):
+        core().restore_decisions({**state, "schedule": "overlapped"})
+    with pytest.raises(ValueError, match="missing \\['replica_history'\\]"):
+        core().restore_decisions({k: v for k, v in state.items() if k != "replica_history"})
 
 
 def test_left_out_layers_retime_with_an_interval_replan_applied_beside_them() -> None:

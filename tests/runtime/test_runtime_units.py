@@ -556,7 +556,7 @@ def test_expects_layout_gain_follows_the_cost_model_until_the_first_choice(predi
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
 
     core = LayerCore.__new__(LayerCore)
-    core._kept_schedule, core.layout_gain_material = None, material
+    core._kept_schedule, core.layout_gain_material, core.schedule_history = None, material, []
     core.owner_moves_judged = core.owner_moves_priced = False
     core._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
     assert not core.expects_layout_gain  # no model yet
