@@ -615,6 +615,8 @@ class LayerCore:
             self._replica_chooser = self._replica_schedule = None
         else:  # the re-timing of the kept schedule, or the first trials, start over on this layout
             self.install_layout(self.layout_slots)
+            if self._chooser.known and state["predicted"]:  # against dense's earlier time: the last model stands
+                self._chooser.predicted = dict(state["predicted"])
         return True
 
     @property
