@@ -6,9 +6,11 @@
 Separate jobs (benchmarks/e2e_cluster.py) see the shared machine's noise differently: on the 2-core testbed
 DeepSpeed's own tokens/s moved 2x between back-to-back runs. Here every variant is an engine in the same
 processes (examples/moe_lm.py's model, same seed and data), and each step runs one optimizer step of every
-variant, in an order that rotates each step, with a barrier before each timed step. A variant's step time is
-the slowest rank's; the script prints median step times and the ratio of DeepSpeed's median to each
-variant's (> 1 = faster than DeepSpeed), and writes them to `--json-out`.
+variant, in an order that rotates each step, with a barrier before each timed step (`--no-barrier`: none, as
+`auto`'s trials time their steps; the JSON then also has each step from the last rank's start and the start skew).
+A variant's step time is the slowest rank's own window; the script prints median step times, the ratio of
+DeepSpeed's median to each variant's (> 1 = faster than DeepSpeed) and the ranks' median CPU time per step, and
+writes them to `--json-out` (with `ScheduleGate`'s checks and each layer's schedule decisions).
 
 Variants (`--variants`): deepspeed, hierarchical, direct, dense, auto (ds_cobalt's `transport.schedule`), each
 with the config's `"cobalt"` section otherwise (re-planning on by default), and each of those with `-static`
