@@ -74,10 +74,11 @@ CLEAR_SAVING = 0.10
 # migration on fast links here (the owner moves, paid for, then ended on dense)
 OWNER_MOVE_WIN = 0.15
 # ... and where `ScheduleGate` declined the owner moves (the model's saving priced below its share of the step), a
-# measured win this large overrules it: the model's link speed comes from a probe that read 1.2-1.4x the link's
-# share in fresh jobs at 1 Gbit/s, and at 100 Mbit/s the default model's share moved between 16 % and 23-27 % from
-# job to job while hierarchical measured 33-46 % faster than dense; the trial wins the gate was right to distrust
-# (fine-grained model at 1 Gbit/s) were 15-24 %, their steady steps 4-6 %
+# measured win this large overrules it: the model's link speed comes from a probe that read the 100 Mbit/s link at
+# 1.25-1.86x its share in 5 of 28 probes here, and the default model's share there moved between 16-18 % and 25-27 %
+# from job to job while its first trials measured hierarchical 28-46 % faster than dense; of the trial wins the gate
+# was right to distrust (fine-grained model at 1 Gbit/s, steady steps 4-6 % apart) about 40 were 6-24 %, one 28 %,
+# and the two of one job 34 % and 38 % (dense's median there 395 ms against DeepSpeed's 275)
 DECLINE_OVERRULING_WIN = 0.30
 # the model's clear favourite among the schedules other than dense (priced `CLEAR_SAVING` below the fastest) stays
 # unless the fastest measures this much faster: with the fine-grained model at 1 Gbit/s the first trials' 3-step
