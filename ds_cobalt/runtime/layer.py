@@ -561,15 +561,14 @@ class LayerCore:
         decision, dense's step seconds in it, the gate's verdicts, the cost model's last input and both histories
         (their `forward` numbers count the forwards of the run that made them)."""
         chooser = self._chooser
-        return {"transport_schedule": self.settings.transport.schedule, "schedule": self.schedule,
+        return _plain({"transport_schedule": self.settings.transport.schedule, "schedule": self.schedule,
                 "kept": self._kept_schedule, "dense_seconds": self._dense_seconds,
                 "dense_ruled_out": self._dense_ruled_out, "layout_gain_material": self.layout_gain_material,
                 "owner_moves_judged": self.owner_moves_judged, "owner_moves_priced": self.owner_moves_priced,
                 "timings_s": self.schedule_timings,
                 "predicted": {} if chooser is None else dict(chooser.predicted),
                 "pruned": [] if chooser is None else list(chooser.pruned),
-                "schedule_history": [dict(h) for h in self.schedule_history],
-                "replica_history": [dict(h) for h in self.replica_history]}
+                "schedule_history": self.schedule_history, "replica_history": self.replica_history})
 
     def hold_decisions(self) -> tuple:
         """This layer's choosers as they are, for `reinstate_decisions` once the same layout is back (a round trip to
@@ -936,6 +935,22 @@ class LayerCore:
                 return None
             self._dense_capacities.add(value)
         return value
+
+
+def _plain(value):
+    """A copy of `value` (dicts, lists, tuples, numbers, strings) with numpy scalars as Python numbers and tuples as
+    lists: a checkpoint's client state then loads with torch's weights-only unpickler too."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return value
 
 
 def _expert_bytes(experts: ExpertBinding) -> int:

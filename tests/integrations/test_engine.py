@@ -852,9 +852,11 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
     gate's verdicts and the histories; where a timing was running, the layer times again on its layout (re-timing the
     kept schedule, or its first trials); nothing is restored where either run pins a schedule; a schedule the layer
     cannot run, or a missing key, is a ValueError naming it."""
+    import io
     import types
 
     import numpy as np
+    import torch
 
     from ds_cobalt.runtime.layer import LayerCore
     from ds_cobalt.runtime.tile_tuner import StepTimedChoice
@@ -877,13 +879,17 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
 
     saved = core()
     saved._chooser = StepTimedChoice(["direct"])
-    saved._chooser.predicted, saved._chooser.pruned = {"direct": 1.5, "dense": 2.0}, ["dense"]
+    saved._chooser.predicted, saved._chooser.pruned = {"direct": np.float64(1.5), "dense": 2.0}, ["dense"]
     saved._chooser.medians = {"direct": 0.2, "dense": 0.3}
     saved._kept_schedule, saved._dense_seconds, saved._dense_ruled_out = "direct", 0.3, True
     saved.owner_moves_judged = saved.owner_moves_priced = True
     saved.schedule_history = [{"forward": 12, "schedule": "direct", "timings_s": {"direct": 0.2, "dense": 0.3},
                                "model": {"predicted_comm_s": {"direct": 1.5, "dense": 2.0}, "pruned": ["dense"]}}]
     state = saved.decision_state()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == state  # plain values: no numpy scalar in a checkpoint
     resumed = core()
     assert resumed.restore_decisions(state) and not resumed.installed
     assert resumed.decision_state() == state and resumed.schedule == "direct"
