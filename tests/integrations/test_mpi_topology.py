@@ -74,7 +74,11 @@ def _probe(out_dir: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-_MPIRUN_ARGS = ["--allow-run-as-root", "--oversubscribe", "--stdin", "none"]
+# --noprefix: Open MPI started by its absolute path (shutil.which) acts as `--prefix /usr` and puts /usr/bin first on
+# the ranks' PATH: their JIT build of DeepSpeed's shm op then ran the system's ninja instead of the Python
+# environment's, whose build log does not match, and every switch between the two rebuilt the op (35-45 s), here
+# and in the next launched test
+_MPIRUN_ARGS = ["--allow-run-as-root", "--oversubscribe", "--stdin", "none", "--noprefix"]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "deepspeed --launcher openmpi"])
