@@ -48,7 +48,7 @@ from .replicas import ReplicaPlan, plan_replicas, plan_replicas_of
 from .schedule_model import gather_routing, hardware_of, model_pruned, predict_comm_seconds
 from .stats import DeviceRoutingStats
 from .step_spares import BalanceCounters, NodeSpares, node_spares
-from .tile_tuner import OverlapTuner, StepTimedChoice
+from .tile_tuner import RAIL_CHUNK_CANDIDATES, OverlapTuner, StepTimedChoice
 from .topology import EPGroups, Topology
 from .traffic import StepTraffic, TrafficCounters
 
@@ -559,8 +559,10 @@ class LayerCore:
         """What `auto` and `ScheduleGate` decided for this layer, as plain Python values (a checkpoint's client state,
         `integrations/checkpoint.py`): the schedule in use (None while one is timed), the one kept by the last
         decision, dense's step seconds in it, the gate's verdicts, the cost model's last input and both histories
-        (their `forward` numbers count the forwards of the run that made them)."""
+        (their `forward` numbers count the forwards of the run that made them), and the overlap tuner's choices with
+        the overlap settings they were made for (`"overlap"`)."""
         chooser = self._chooser
+        overlap = self.settings.overlap
         return _plain({"transport_schedule": self.settings.transport.schedule, "schedule": self.schedule,
                 "kept": self._kept_schedule, "dense_seconds": self._dense_seconds,
                 "dense_ruled_out": self._dense_ruled_out, "layout_gain_material": self.layout_gain_material,
@@ -568,7 +570,9 @@ class LayerCore:
                 "timings_s": self.schedule_timings,
                 "predicted": {} if chooser is None else dict(chooser.predicted),
                 "pruned": [] if chooser is None else list(chooser.pruned),
-                "schedule_history": self.schedule_history, "replica_history": self.replica_history})
+                "schedule_history": self.schedule_history, "replica_history": self.replica_history,
+                "overlap": {"settings": {"enabled": overlap.enabled, "tile_rows": overlap.tile_rows,
+                                         "rail_chunks": overlap.rail_chunks}, "chosen": self.tuner.chosen()}})
 
     def hold_decisions(self) -> tuple:
         """This layer's choosers as they are, for `reinstate_decisions` once the same layout is back (a round trip to
@@ -588,11 +592,14 @@ class LayerCore:
         chosen then is used again untimed; where one was being timed against dense, that timing starts over on this
         layout; before the first choice the trials start over. How the spare slots are used is chosen again from
         the restored history (`_replica_mode`). Only where the run that saved and this one both use
-        `transport.schedule: "auto"` (False, nothing changed, otherwise); ValueError naming the key where a schedule
-        is not one this layer can run."""
+        `transport.schedule: "auto"` (False, nothing of this changed, otherwise); ValueError naming the key where a
+        schedule is not one this layer can run. The overlap tuner's choices come back under any schedule where the
+        saving run had the same overlap settings (`restore_overlap_choices`)."""
+        self.restore_overlap_choices(state.get("overlap"))
         if self.settings.transport.schedule != "auto" or state.get("transport_schedule") != "auto":
             return False
-        missing = [key for key in self.decision_state() if key not in state]
+        # "overlap" came later: a checkpoint without it restores the rest
+        missing = [key for key in self.decision_state() if key not in state and key != "overlap"]
         if missing:
             raise ValueError(f"ds_cobalt decisions: missing {missing}")
         allowed = self._schedule_candidates()
@@ -617,6 +624,30 @@ class LayerCore:
             self.install_layout(self.layout_slots)
             if self._chooser.known and state["predicted"]:  # against dense's earlier time: the last model stands
                 self._chooser.predicted = dict(state["predicted"])
+        return True
+
+    def restore_overlap_choices(self, saved: dict | None) -> bool:
+        """Take the tile rows, rail chunks and overlapped-or-phased choice of `decision_state()["overlap"]` where the
+        run that saved it had this run's overlap settings (else, or with nothing saved, False and the tuner times
+        its trials again); a choice this run's tuner cannot make is a ValueError naming it."""
+        overlap = self.settings.overlap
+        current = {"enabled": overlap.enabled, "tile_rows": overlap.tile_rows, "rail_chunks": overlap.rail_chunks}
+        if not saved or saved.get("settings") != _plain(current):
+            return False
+        chosen = saved.get("chosen") or {}
+        parts = {"tile_rows": (self.tuner.tiles, None), "rail_chunks": (self.tuner.chunks, RAIL_CHUNK_CANDIDATES),
+                 "overlap": (self.tuner.mode, (0, 1))}
+        for key, value in chosen.items():
+            if key not in parts:
+                raise ValueError(f"ds_cobalt decisions: overlap choice {key!r} is not one of {sorted(parts)}")
+            allowed = parts[key][1]
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and not (is_int and (value in allowed if allowed else value >= 1)):
+                raise ValueError(f"ds_cobalt decisions: overlap {key} {value!r} is not a choice of this layer's tuner "
+                                 f"({'a positive int' if allowed is None else allowed})")
+        for key, value in chosen.items():
+            if value is not None:
+                parts[key][0].chosen = value
         return True
 
     @property

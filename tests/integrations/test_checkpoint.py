@@ -22,7 +22,7 @@ def _decisions(core) -> dict:
     """What a resume must carry of `auto`'s state for a layer (the rest is re-timed where a timing was running)."""
     state = core.decision_state()
     return {key: state[key] for key in ("schedule", "kept", "owner_moves_judged", "owner_moves_priced",
-                                        "schedule_history")}
+                                        "schedule_history", "overlap")}
 
 
 def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
@@ -45,10 +45,12 @@ def _round_trips(rank: int, world: int, stage: int, root: str) -> dict:
     with ds_cobalt.logical_order(engine):  # a state dict with DeepSpeed's meaning (this rank's experts r*E/W...)
         exported = {key: value.clone() for key, value in engine.module.state_dict().items()}
     out["layout_kept_after_export"] = all(np.array_equal(a, b) for a, b in zip(saved_layouts, _layouts(engine)))
-    # `auto`'s decisions ride along: layer 0 settled on dense (untimed), layer 1 with the gate's verdict
+    # `auto`'s decisions ride along: layer 0 settled on dense (untimed), layer 1 with the gate's verdict and a tile
+    # size its overlap tuner chose
     cores = layer_cores(engine)
     cores[0].settle_dense(0.05)
     cores[1].owner_moves_judged = cores[1].owner_moves_priced = True
+    cores[1].tuner.tiles.chosen = 64
     saved_decisions = [_decisions(core) for core in cores]
     choosers = [core._chooser for core in cores]
     engine.save_checkpoint(cobalt_dir, tag="s6")

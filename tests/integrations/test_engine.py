@@ -851,7 +851,8 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
     """`LayerCore.decision_state` / `restore_decisions`: a schedule chosen at the save is used again untimed, with the
     gate's verdicts and the histories; where a timing was running, the layer times again on its layout (re-timing the
     kept schedule, or its first trials); nothing is restored where either run pins a schedule; a schedule the layer
-    cannot run, or a missing key, is a ValueError naming it."""
+    cannot run, or a missing key, is a ValueError naming it. The overlap tuner's choices come back under any
+    schedule, where the overlap settings are the saving run's."""
     import io
     import types
 
@@ -859,11 +860,13 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
     import torch
 
     from ds_cobalt.runtime.layer import LayerCore
-    from ds_cobalt.runtime.tile_tuner import StepTimedChoice
+    from ds_cobalt.runtime.tile_tuner import OverlapTuner, StepTimedChoice
 
-    def core(schedule="auto"):
+    def core(schedule="auto", tile_rows="auto"):
         layer = LayerCore.__new__(LayerCore)
-        layer.settings = types.SimpleNamespace(transport=types.SimpleNamespace(schedule=schedule))
+        overlap = types.SimpleNamespace(enabled="auto", tile_rows=tile_rows, rail_chunks="auto")
+        layer.settings = types.SimpleNamespace(transport=types.SimpleNamespace(schedule=schedule), overlap=overlap)
+        layer.tuner = OverlapTuner()
         layer._chooser = StepTimedChoice(["hierarchical", "direct", "dense"])
         layer._chooser.use_model({"hierarchical": 1.0, "direct": 1.5, "dense": 2.0}, [])
         layer._replica_chooser, layer._replica_schedule = StepTimedChoice(["step"]), "hierarchical"
@@ -883,6 +886,7 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
     saved._chooser.medians = {"direct": 0.2, "dense": 0.3}
     saved._kept_schedule, saved._dense_seconds, saved._dense_ruled_out = "direct", 0.3, True
     saved.owner_moves_judged = saved.owner_moves_priced = True
+    saved.tuner.tiles.chosen, saved.tuner.chunks.chosen, saved.tuner.mode.chosen = 128, np.int64(4), 0
     saved.schedule_history = [{"forward": 12, "schedule": "direct", "timings_s": {"direct": 0.2, "dense": 0.3},
                                "model": {"predicted_comm_s": {"direct": 1.5, "dense": 2.0}, "pruned": ["dense"]}}]
     state = saved.decision_state()
@@ -905,6 +909,18 @@ def test_decisions_restore_as_saved_only_between_auto_runs() -> None:
         core().restore_decisions({**state, "schedule": "overlapped"})
     with pytest.raises(ValueError, match="missing \\['replica_history'\\]"):
         core().restore_decisions({k: v for k, v in state.items() if k != "replica_history"})
+    # the overlap tuner's choices: under a pinned schedule too; not for other overlap settings; a checkpoint from
+    # before they were saved restores the rest; a choice the tuner cannot make is an error
+    assert state["overlap"]["chosen"] == {"tile_rows": 128, "rail_chunks": 4, "overlap": 0}
+    assert pinned.tuner.chosen() == state["overlap"]["chosen"]
+    other = core(tile_rows=64)
+    assert other.restore_decisions(state) and other.schedule == "direct"
+    assert other.tuner.chosen() == {"tile_rows": None, "rail_chunks": None, "overlap": None}
+    old = core()
+    assert old.restore_decisions({k: v for k, v in state.items() if k != "overlap"}) and old.schedule == "direct"
+    assert old.tuner.chosen()["tile_rows"] is None
+    with pytest.raises(ValueError, match="overlap rail_chunks 3"):
+        core().restore_decisions({**state, "overlap": {**state["overlap"], "chosen": {"rail_chunks": 3}}})
 
 
 def test_left_out_layers_retime_with_an_interval_replan_applied_beside_them() -> None:
