@@ -17,13 +17,14 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from moe_lm import load_corpus  # examples/moe_lm.py: the stdlib source as bytes
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 VOCAB = 256  # bytes
 
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-to", default="none", help="Trainer reporters, e.g. tensorboard (default: none)")
     p.add_argument("--output-dir", default=None, help="Trainer output dir (default: a temporary one)")
     p.add_argument(
-        "--metrics-out", default=None, help="rank 0 writes losses, cobalt metrics and settings here"
+        "--metrics-out", default=None, help="rank 0 writes losses, step times, cobalt metrics and settings here"
     )
     p.add_argument(
         "--local_rank", type=int, default=-1, help=argparse.SUPPRESS
@@ -121,6 +122,20 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+class StepTimer(TrainerCallback):
+    """Wall seconds of each optimizer step (forward, backward and step of every micro-batch), this rank's clock."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs: Any) -> None:
+        self._started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._started)
+
+
 def deepspeed_config(path: str, with_cobalt: bool) -> str | dict[str, Any]:
     if with_cobalt:
         return path  # the Trainer and DeepSpeed ignore the "cobalt" section; CobaltCallback reads it
@@ -137,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_config(model_config(args), dtype=torch.float32)
     dataset = ByteWindows(load_corpus(1 << 20), args.steps * args.batch_size * world, args.seq_len, args.seed)
 
-    callbacks = []
+    timer = StepTimer()
+    callbacks: list[TrainerCallback] = [timer]
     if not args.no_cobalt:
         from ds_cobalt.hf import CobaltCallback
 
@@ -168,11 +184,16 @@ def main(argv: list[str] | None = None) -> None:
             "model": args.model, "cobalt": not args.no_cobalt, "world_size": world, "steps": args.steps,
             "gradient_checkpointing": args.gradient_checkpointing,
             "losses": [row["loss"] for row in history], "exact_losses": exact_losses,
-            "train_loss": result.training_loss,
+            "train_loss": result.training_loss, "step_times_s": timer.seconds,
             "cobalt_metrics": cobalt,
         }  # fmt: skip
         print("=== hf_trainer_mixtral report ===")
-        print(json.dumps({k: v for k, v in report.items() if k != "cobalt_metrics"}, indent=None)[:2000])
+        print(json.dumps({k: v for k, v in report.items() if k not in ("cobalt_metrics", "step_times_s")},
+                         indent=None)[:2000])
+        first = len(timer.seconds) // 5  # left out: warm-up, and cobalt's schedule trials
+        if timer.seconds[first:]:
+            print(f"step time: median {1e3 * float(np.median(timer.seconds[first:])):.1f} ms over steps "
+                  f"{first + 1}-{len(timer.seconds)}")
         for key, values in cobalt.items():
             print(f"{key}: last {values[-1]:.4g}, total {sum(values):.4g}" if values else key)
         if args.metrics_out:

@@ -147,6 +147,7 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     assert 5.0 < m["losses"][0] < 6.0, "first loss should be near ln(256) = 5.55"
     assert m["losses"][-1] < m["losses"][0]
     assert len(m["exact_losses"]) == STEPS
+    assert len(m["step_times_s"]) == STEPS and all(t > 0 for t in m["step_times_s"])
     np.testing.assert_allclose(m["exact_losses"], plain["exact_losses"], rtol=0, atol=1e-5)
     c = m["cobalt_metrics"]
     assert len(c["cobalt/tokens"]) == STEPS and set(c["cobalt/tokens"]) == {4 * 4 * 64}  # ranks x batch x seq
