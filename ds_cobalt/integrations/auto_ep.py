@@ -20,12 +20,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.module_inject.auto_ep_comm import COMM_BACKEND
-from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, RouterOutput
+from deepspeed.module_inject.auto_ep_layer import (
+    AutoEPMoELayer,
+    RouterOutput,
+    combine_from_routed,
+    permute_by_local_expert,
+    unpermute_by_local_expert,
+)
 from deepspeed.moe.ep_experts import apply_expert_activation
+from deepspeed.ops.triton_ops import autoep_fused_token_ops as fused_token_ops
 
 from ..config import CobaltConfig
+from ..runtime.comm import all_to_all_rows, exchange_counts
 from ..runtime.layer import ExpertBinding, LayerCore, Piece
+from ..runtime.sync_free import count_keys
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
+from ..runtime.traffic import ExchangeCounts
 from .layers import CoreAccess
 
 
@@ -39,7 +49,8 @@ class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
 
     Traffic counters: AutoEP's all-to-all sends one row per (token, expert) each way, so its cross-node
     volume is `deepspeed_inter_node_bytes_dropless`; `deepspeed_inter_node_bytes_padded` stays 0 (no E x C
-    buffers).
+    buffers). The `dense` schedule (the baseline that `transport.schedule: "auto"` measures the others against)
+    is AutoEP's own dropless exchange here (`autoep_exchange`), not DeepSpeed MoE's padded one.
     """
 
     cobalt_config: CobaltConfig
@@ -83,9 +94,41 @@ class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
             self.tokens_per_expert.add_(ro.num_tokens_per_expert)
         experts = self.experts
         binding = ExpertBinding(self._expert_module, _FUSED_NAMES,
-                                [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)])
+                                [(experts.w1[s], experts.w2[s], experts.w3[s]) for s in range(self.num_local_experts)],
+                                native_dense=self.autoep_exchange)
         output = self.cobalt_core.run(x_TD, ro.selected_experts.long(), ro.top_scores, binding, training=self.training)
         return self._finalize_output(output.reshape(bsz, seqlen, hdim), x_TD, hidden_states, hdim)
+
+
+    def autoep_exchange(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                        owner_block_E: torch.Tensor, ep_group: dist.ProcessGroup | None
+                        ) -> tuple[torch.Tensor, ExchangeCounts]:
+        """AutoEP's own exchange with every expert at its owner slot of the current layout (`owner_block_E`: owner
+        rank * L + owner slot): one count all-to-all and one host sync, one uneven all-to-all each way with one row
+        per (token, expert), AutoEP's grouped experts, AutoEP's combine. On the contiguous layout this is plain
+        AutoEP's computation, step for step; elsewhere only which rank and slot compute an expert differ."""
+        T, K = topk_ids_TK.shape
+        D = x_TD.shape[1]
+        L = self.num_local_experts
+        W = owner_block_E.numel() // L
+        block_R = owner_block_E.to(x_TD.device)[topk_ids_TK.reshape(-1).long()]  # each route's owner block
+        order_R = torch.argsort(block_R, stable=True)  # routes grouped by destination rank, then owner slot
+        send_WL = count_keys(block_R, W * L).view(W, L)
+        recv_WL = exchange_counts(send_WL, ep_group)  # what each source rank sends to each of our slots
+        send, recv = torch.stack((send_WL.sum(1), recv_WL.sum(1))).tolist()  # NOTE: host sync (split sizes)
+        rows_QD = all_to_all_rows(x_TD[order_R // K], send, recv, ep_group)
+        rows_QD, perm_Q, aligned_L, rows = permute_by_local_expert(rows_QD, recv_WL)
+        out_QD = unpermute_by_local_expert(self.experts(rows_QD, aligned_L), perm_Q, rows)
+        back_RD = all_to_all_rows(out_QD, recv, send, ep_group)
+        if self.combine_impl == "fused_weighted_sum":
+            out_TD = fused_token_ops.fused_weighted_restore(back_RD, top_scores=weights_TK,
+                                                            token_indices_sorted=order_R, top_k=K, shape=(1, T, D))
+        else:
+            out_TD = combine_from_routed(back_RD, top_scores=weights_TK, token_indices_sorted=order_R, top_k=K,
+                                         score_apply="post", combine_impl=self.combine_impl, shape=(1, T, D))
+        counts = ExchangeCounts(tokens=T, rail_send=tuple(send), rail_recv=tuple(recv), route_send=(0,) * W,
+                                node_send=(0,), node_recv=(rows,))
+        return out_TD.reshape(T, D), counts
 
 
 _FUSED_NAMES = ("w1", "w2", "w3")

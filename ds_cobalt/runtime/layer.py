@@ -16,7 +16,8 @@ Counting wraps the exchange: the exchange reports split sizes, the core turns th
 
 Schedules (`transport.schedule`): `hierarchical` runs the exchange on the real topology (rail, then node);
 `direct` runs the same exchange on a flat view of the EP group, every rank its own "node" (one exchange each
-way over the whole group, each token once per destination rank); `dense` runs DeepSpeed's padded exchange.
+way over the whole group, each token once per destination rank); `dense` runs DeepSpeed's padded exchange, or the
+layer class's own (`ExpertBinding.native_dense`: AutoEP's dropless one).
 `auto`, after each layout change, lets the cost model (`schedule_model`) rule out what communication alone makes
 slower, times the rest on the next steps (`StepTimedChoice`) and keeps the fastest; the choice is logged and
 kept in `schedule`. Before the first trials a step hook may settle the layer on dense instead, where the model's
@@ -50,7 +51,7 @@ from .stats import DeviceRoutingStats
 from .step_spares import BalanceCounters, NodeSpares, node_spares
 from .tile_tuner import RAIL_CHUNK_CANDIDATES, OverlapTuner, StepTimedChoice
 from .topology import EPGroups, Topology
-from .traffic import StepTraffic, TrafficCounters
+from .traffic import ExchangeCounts, StepTraffic, TrafficCounters
 
 # A piece of an expert's training state: a whole parameter (`row=None`) or one row of a fused tensor.
 Piece = tuple[torch.nn.Parameter, "int | None"]
@@ -120,6 +121,10 @@ class _Phased:
     rail_chunks: int | str = 1
 
 
+NativeDense = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "dist.ProcessGroup | None"],
+                       tuple[torch.Tensor, ExchangeCounts]]
+
+
 @dataclass(frozen=True)
 class ExpertBinding:
     """How this rank's experts compute: `module` applied with `names` bound to the tensors of one owner slot
@@ -130,6 +135,9 @@ class ExpertBinding:
     names: tuple[str, ...]
     owner_tensors: Sequence[tuple[torch.Tensor, ...]]
     owner_modules: Sequence[torch.nn.Module] | None = None
+    # the layer class's own exchange, run as the `dense` schedule in place of DeepSpeed MoE's padded one (AutoEP's
+    # dropless exchange): `(x_TD, topk_ids_TK, weights_TK, owner_block_E, ep_group) -> (out_TD, ExchangeCounts)`
+    native_dense: NativeDense | None = None
 
 
 class _Settings(Protocol):
@@ -778,10 +786,11 @@ class LayerCore:
             self.forwards += 1
             if self._chooser.wants_model:
                 self._model_schedules(topk_ids_TK, x_TD.shape[1] * x_TD.element_size(), deepspeed_capacity,
-                                      capacity_is_local or locations_TK is None, _expert_bytes(experts))
+                                      capacity_is_local or locations_TK is None, _expert_bytes(experts),
+                                      native_dense=experts.native_dense is not None)
             schedule = self._pick_schedule(x_TD.device, timed=training)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
-        if schedule == DENSE:
+        if schedule == DENSE and experts.native_dense is None:
             if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
                 locations_TK, deepspeed_capacity = expert_locations(topk_ids_TK, self.num_experts)
                 capacity_is_local, padded_by_deepspeed = True, False
@@ -811,7 +820,10 @@ class LayerCore:
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
         fetched: list[ReplicaPlan] = []  # the replica plan this forward fetched weights for (none: no fetch)
-        if schedule == DENSE:
+        if schedule == DENSE and experts.native_dense is not None:
+            out_TD, counts = experts.native_dense(x_TD, topk_ids_TK, weights_TK, placement.owner_block_E,
+                                                  groups.ep_group)
+        elif schedule == DENSE:
             slots, _ = slot_experts(experts.module, experts.names, experts.owner_tensors, placement.slots_per_rank,
                                     None, groups, experts.owner_modules)
             out_TD, counts = dense_moe(x_TD, topk_ids_TK, locations_TK, weights_TK, placement, groups,
@@ -854,10 +866,11 @@ class LayerCore:
         return out_TD
 
     def _model_schedules(self, topk_ids_TK: torch.Tensor, row_bytes: int, capacity: torch.Tensor | int,
-                         dropless: bool, expert_bytes: int) -> None:
+                         dropless: bool, expert_bytes: int, native_dense: bool = False) -> None:
         """Orders and prunes the `auto` candidates with the cost model (`schedule_model`), once per layout:
         one link probe (cached), one all-gather of sampled routes and of each rank's dense capacity.
-        `expert_bytes`: one expert's weights (what each replica fetches)."""
+        `expert_bytes`: one expert's weights (what each replica fetches); `native_dense`: dense is the layer
+        class's own dropless exchange (`ExpertBinding.native_dense`), one row per route, not padded buffers."""
         groups = self.groups
         start = time.perf_counter()
         costs = probe_links(groups, topk_ids_TK.device)
@@ -869,7 +882,7 @@ class LayerCore:
         predicted = predict_comm_seconds(self._chooser.candidates, topk, src, scale, self.layout_slots,
                                          self.topology.ranks_per_node, self.num_experts, int(capacity_W.max()),
                                          row_bytes, hardware_of(costs, self.topology.ranks_per_node), dropless,
-                                         expert_bytes)
+                                         expert_bytes, native_dense=native_dense)
         self._chooser.use_model(predicted, self._model_pruning(predicted, costs.fixed_s))
         if self.topology.rank == 0:
             _log.info("ds_cobalt transport: cost model in %.2f s (link probe %.2f s, cached after the first layer)",

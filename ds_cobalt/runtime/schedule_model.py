@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..sim.cluster import cobalt_rows, direct_rows, layer_times, padded_rows, replica_fetch, scaled_rows
+from ..sim.cluster import cobalt_rows, direct_rows, dropless_rows, layer_times, padded_rows, replica_fetch, scaled_rows
 from ..sim.hardware import Hardware, ModelShape
 from .comm import group_size
 from .link_probe import LinkCosts
@@ -75,11 +75,13 @@ def _destinations(topk_XK: np.ndarray, src_X: np.ndarray, slots_WS: np.ndarray, 
 def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.ndarray, scale: float,
                          slots_WS: np.ndarray, ranks_per_node: int, num_experts: int, capacity: int,
                          row_bytes: int, hardware: Hardware, dropless: bool,
-                         expert_bytes: int = 0) -> dict[str, float]:
+                         expert_bytes: int = 0, native_dense: bool = False) -> dict[str, float]:
     """Predicted communication seconds of one layer, forward + backward, per candidate schedule (rows from the
     runtime's own task assignment: the hierarchical schedule's on the real nodes, the direct one's on the flat
     view, every rank its own node). `expert_bytes`: one expert's weights, which each spare slot holding another
-    rank's expert fetches in forward and returns as gradients in backward (hierarchical and direct)."""
+    rank's expert fetches in forward and returns as gradients in backward (hierarchical and direct).
+    `native_dense`: dense is AutoEP's exchange (a count all-to-all, then one row per route to its expert's owner)
+    instead of DeepSpeed MoE's padded `[E / W, C]` blocks."""
     W = slots_WS.shape[0]
     G = ranks_per_node
     shape = ModelShape(num_experts=num_experts, top_k=max(1, topk_XK.shape[1]), hidden=row_bytes, ffn=1,
@@ -87,6 +89,13 @@ def predict_comm_seconds(candidates: list[str], topk_XK: np.ndarray, src_X: np.n
     replicas = replica_fetch(slots_WS, num_experts, G, expert_bytes)
     out = {}
     for c in candidates:
+        if c == "dense" and native_dense:
+            owner_rank_E = np.empty(num_experts, dtype=np.int64)
+            owners = slots_WS[:, :num_experts // W]  # owner slots first; spare slots stay unused by dense
+            owner_rank_E[owners.reshape(-1)] = np.repeat(np.arange(W), owners.shape[1])
+            rows = scaled_rows(dropless_rows(topk_XK, src_X, owner_rank_E, W, G), scale)
+            out[c] = layer_times(rows, "deepspeed-dropless", hardware, shape, G, count_exchange=True)["comm_s"]
+            continue
         if c == "dense":
             rows = padded_rows(num_experts, capacity, W, G)
         else:

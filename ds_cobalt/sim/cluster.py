@@ -29,9 +29,9 @@ from ..planner.layout import Layout, owner_rank_of
 from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
-__all__ = ["LayerRows", "ReplicaFetch", "replica_fetch", "deepspeed_rows", "padded_rows", "scaled_rows",
-           "cobalt_rows", "direct_rows", "layer_times", "predict_step_times", "VARIANTS", "predict_synthetic",
-           "format_prediction", "step_of_tokens"]
+__all__ = ["LayerRows", "ReplicaFetch", "replica_fetch", "deepspeed_rows", "dropless_rows", "padded_rows",
+           "scaled_rows", "cobalt_rows", "direct_rows", "layer_times", "predict_step_times", "VARIANTS",
+           "predict_synthetic", "format_prediction", "step_of_tokens"]
 
 VARIANTS = ("deepspeed", "deepspeed-dropless", "cobalt", "cobalt-overlap", "cobalt-direct", "cobalt-dense")
 
@@ -108,10 +108,9 @@ def deepspeed_rows(topk_TK: np.ndarray, src_T: np.ndarray, E: int, N: int, G: in
     `capacity_factor * k`), or the largest (GPU, expert) count when `capacity_factor is None`.
     Not padded: one row per (token, expert) (ideal dropless)."""
     W = N * G
-    K = topk_TK.shape[1]
-    valid_TK = topk_TK >= 0
-    zero = np.zeros(W, dtype=np.int64)
     if padded:
+        K = topk_TK.shape[1]
+        valid_TK = topk_TK >= 0
         tokens_W = np.bincount(src_T, minlength=W)
         if capacity_factor is None:
             count_WE = np.bincount((src_T[:, None] * E + topk_TK)[valid_TK], minlength=W * E)
@@ -119,8 +118,16 @@ def deepspeed_rows(topk_TK: np.ndarray, src_T: np.ndarray, E: int, N: int, G: in
         else:
             C = int(max(min_capacity, np.ceil(tokens_W.max() / E * capacity_factor * K))) if tokens_W.size else 0
         return padded_rows(E, C, W, G)
+    return dropless_rows(topk_TK, src_T, np.arange(E) // (E // W), W, G)
+
+
+def dropless_rows(topk_TK: np.ndarray, src_T: np.ndarray, owner_rank_E: np.ndarray, W: int, G: int) -> LayerRows:
+    """A dropless all-to-all with uneven splits on any owner layout (`owner_rank_E`: each expert's owner GPU): one
+    row per (token, expert) to the expert's owner (AutoEP's exchange)."""
+    valid_TK = topk_TK >= 0
+    zero = np.zeros(W, dtype=np.int64)
     src_X = np.broadcast_to(src_T[:, None], topk_TK.shape)[valid_TK]
-    dst_X = topk_TK[valid_TK] // (E // W)
+    dst_X = owner_rank_E[topk_TK[valid_TK]]
     io, ii, ao, ai = _pair_rows(src_X, dst_X, W, G)
     return LayerRows(io, ii, ao, ai, np.bincount(dst_X, minlength=W), zero, zero)
 
@@ -215,12 +222,14 @@ def _all_to_all_time(hw: Hardware, G: int, inter_out: np.ndarray, inter_in: np.n
 
 
 def layer_times(rows: LayerRows, variant: str, hw: Hardware, shape: ModelShape, G: int,
-                replicas: ReplicaFetch | None = None, dropless: bool = False) -> dict[str, float]:
+                replicas: ReplicaFetch | None = None, dropless: bool = False,
+                count_exchange: bool = False) -> dict[str, float]:
     """Seconds of one layer, forward + backward: `comm_s`, `compute_s`, `total_s` (see docs/simulator.md), and
     `inter_node_bytes`: bytes the busiest node sends to other nodes (forward + backward). `replicas`: the layout's
     replica weights (`replica_fetch`), fetched in forward and returned as gradients in backward (not by DeepSpeed or
     the dense schedule). `dropless`: the capacity comes from an all-reduce (DeepSpeed's gate, the dense schedule)
-    that costs one collective."""
+    that costs one collective. `count_exchange`: `deepspeed-dropless` starts with a count all-to-all (AutoEP's
+    exchange, which is the dense schedule of AutoEP layers)."""
     W = rows.compute_W.size
     N = W // G
     b = shape.row_bytes
@@ -233,6 +242,9 @@ def layer_times(rows: LayerRows, variant: str, hw: Hardware, shape: ModelShape, 
         a2a = _all_to_all_time(hw, G, rows.inter_out_W * b, rows.inter_in_W * b, rows.intra_out_W * b,
                                rows.intra_in_W * b)
         comm = 4 * a2a + (reduce if variant != "deepspeed-dropless" else 0.0)
+        if count_exchange:
+            zeros = np.zeros(W, dtype=np.int64)
+            comm += _all_to_all_time(hw, G, zeros, zeros, zeros, zeros)
         return {"comm_s": comm, "compute_s": compute, "total_s": comm + compute,
                 "inter_node_bytes": 4.0 * b * node_of_rows(rows.inter_out_W)}
     if not variant.startswith("cobalt"):

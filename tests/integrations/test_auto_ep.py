@@ -87,6 +87,10 @@ MIGRATING = {  # replanning with replicas, forced random owner migrations
 OVERLAP = {"topology": {"ranks_per_node": 2}, "overlap": {"enabled": True, "tile_rows": 16, "rail_chunks": 2},
            "transport": {"schedule": "hierarchical"}}  # the overlapped schedule itself (`auto` may keep dense here)
 OVERLAP_STEPS = 8
+# the dense schedule is AutoEP's own exchange on the layer's owner layout: plain AutoEP's computation, also after
+# the random owner migrations (each expert's rows reach its new owner slot in the same order)
+DENSE = {"topology": {"ranks_per_node": 2}, "transport": {"schedule": "dense"},
+         "migration": {"ignore_cost_model": True}}
 # Replicas split an expert's weight gradient into partial GEMMs, whose fp32 rounding depends on the CPU's kernels
 # (AVX2 against AVX-512): on an AVX-512 machine a near-tied top-2 choice of the mixtral run flips at step 18 and
 # the losses drift by up to 2e-2 after it (AVX2: within 1e-6 over all 20 steps). So the migrating run is held to
@@ -158,6 +162,8 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         cobalt = MIGRATING
     elif impl == "overlap":
         cobalt, steps = OVERLAP, min(steps, OVERLAP_STEPS)
+    elif impl == "dense":
+        cobalt = DENSE
     engine = _engine(family, zero_stage, cobalt)
     if cobalt is not None:
         layers = ds_cobalt.cobalt_layers(engine)
@@ -169,7 +175,7 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         for name, p in engine.module.named_parameters()
     }
     data = _data(rank)
-    hook = _random_migrations if impl == "migrating" else None
+    hook = _random_migrations if impl in ("migrating", "dense") else None
     out["losses"] = _steps(engine, data, range(steps), hook)
     if cobalt is not None:
         out["traffic"] = ds_cobalt.traffic_summary(engine)
@@ -179,6 +185,10 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
         replans = [h for h in engine.cobalt_step_hooks if isinstance(h, Replanner)]
         # the replanner resets the statistics it reads: they count the steps since its last re-plan
         out["stats_since_step"] = max((r.stats_since_step for r in replans), default=0)
+        out["schedules"] = sorted({s for layer in ds_cobalt.cobalt_layers(engine)
+                                   for s in layer.cobalt_core.schedule_forwards})
+        out["moved"] = any(not np.array_equal(layer.layout_slots, np.arange(8).reshape(4, 2))
+                           for layer in ds_cobalt.cobalt_layers(engine))
     if impl == "migrating":
         from ds_cobalt.integrations.migration import flush_pending
 
@@ -205,7 +215,7 @@ def _resume_plain(family: str, zero_stage: int, rank: int, steps: int, checkpoin
 def _parity_body(rank: int, world: int, runs: list[tuple[str, int, int]], tmp: str) -> dict:
     out = {}
     for family, stage, steps in runs:
-        for impl in ("autoep", "cobalt", "migrating", "overlap"):
+        for impl in ("autoep", "cobalt", "migrating", "overlap", "dense"):
             out[(family, impl)] = _train(family, stage, impl, rank, steps, f"{tmp}/{family}.npz",
                                          f"{tmp}/ckpt-{family}")
         out[(family, "resumed")] = _resume_plain(family, stage, rank, steps, f"{tmp}/ckpt-{family}")
@@ -219,7 +229,7 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
     """Both presets in one 4-rank run (start-up dominates here), each: plain AutoEP; AutoEP + cobalt (recording
     a routing trace of the first 2 steps); AutoEP + cobalt with replanning, replicas and random owner
     migrations, saving a checkpoint in its migrated layout that plain AutoEP then resumes from; AutoEP + cobalt
-    with the overlapped schedule (OVERLAP_STEPS)."""
+    with the overlapped schedule (OVERLAP_STEPS); AutoEP + cobalt on the dense schedule with random migrations."""
     from ds_cobalt.planner.trace import load_trace
 
     results = run_ranks(_parity_body, 4, RUNS, str(tmp_path), ranks_per_node=2, timeout=600)
@@ -230,6 +240,12 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
     for rank, res in enumerate(results):
         for family, _, steps in RUNS:
             ref = res[(family, "autoep")]
+            dense = res[(family, "dense")]
+            # AutoEP's exchange, on the contiguous layout and after the random migrations: the same losses bit for bit
+            # (same rows per expert in the same order, same combine)
+            assert dense["schedules"] == ["dense"] and dense["moved"], dense
+            assert dense["losses"] == ref["losses"], f"{family} dense rank {rank}"
+            assert dense["traffic"]["deepspeed_inter_node_bytes_padded"] == 0
             for impl in ("cobalt", "migrating", "overlap"):
                 co = res[(family, impl)]
                 n = len(co["losses"])

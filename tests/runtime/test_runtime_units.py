@@ -727,6 +727,35 @@ def test_schedule_model_prices_calls_on_fast_links_and_bytes_on_slow_ones() -> N
         assert cost(slots, expert_bytes) == cost(slots, 0)  # no spare slot filled: nothing fetched
 
 
+def test_schedule_model_prices_autoep_dense_as_its_dropless_exchange() -> None:
+    """AutoEP layers' dense schedule is AutoEP's exchange (`native_dense`): a count all-to-all and one row per route
+    to its expert's owner under the layer's layout, never more than the padded blocks and never fewer rows than
+    direct (which sends a token once per rank)."""
+    from ds_cobalt.runtime.link_probe import LinkCosts
+    from ds_cobalt.runtime.schedule_model import hardware_of, predict_comm_seconds
+
+    rng = np.random.default_rng(1)
+    W, G, E, K, row_bytes, fixed = 4, 2, 32, 6, 256, 3e-3
+    fast = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=1e10, intra_node_bytes_per_s=1e10, probe_bytes=1)
+    slow = LinkCosts(fixed_s=fixed, inter_node_bytes_per_s=6.25e6, intra_node_bytes_per_s=1e9, probe_bytes=1)
+    topk, src = _routing(rng, E, K, W, 256)
+    capacity = max(int(np.bincount(topk[src == r].ravel(), minlength=E).max()) for r in range(W))
+    contiguous = contiguous_layout(E, 2, G).layer(0)
+
+    def priced(candidates, link, layout=contiguous, routes=topk, native=True):
+        return predict_comm_seconds(candidates, routes, src, 1.0, layout, G, E, capacity, row_bytes,
+                                    hardware_of(link, G), dropless=True, native_dense=native)
+
+    assert priced(["dense"], fast)["dense"] == pytest.approx(5 * fixed, rel=0.05)  # counts + 4 all-to-alls
+    on_slow = priced(["direct", "dense"], slow)
+    assert on_slow["direct"] <= on_slow["dense"] < priced(["dense"], slow, native=False)["dense"]
+    # every source rank's routes go to experts it owns itself under this layout: nothing crosses, only calls
+    own_W = rng.permutation(E).reshape(W, E // W)
+    local = own_W[src][np.arange(src.size)[:, None], rng.integers(0, E // W, size=(src.size, K))]
+    assert priced(["dense"], slow, own_W, local)["dense"] == pytest.approx(5 * fixed, rel=1e-6)
+    assert priced(["dense"], slow, contiguous, local)["dense"] > 6 * fixed
+
+
 def test_remote_nodes_per_token_matches_the_planner() -> None:
     """The runtime's count of remote nodes per token (what the replanner confirms plans with) equals the planner's
     on 2 nodes (where the greedy cover is exact), with replicas and dropped routes."""
