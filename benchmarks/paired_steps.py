@@ -24,7 +24,6 @@ import argparse
 import copy
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from _job import (
     model_config_from,
     moe_class,
     read_config,
+    run_interleaved,
     start_job,
 )
 
@@ -84,39 +84,28 @@ def main(argv: list[str] | None = None) -> None:
         engines[variant] = initialize(impl, MoELM(cfg, moe_class(impl)), str(path), config)
     corpus = load_corpus(8 << 20)
     micro = engines[args.variants[0]].train_micro_batch_size_per_gpu()
-    times: dict[str, list[float]] = {v: [] for v in args.variants}
-    losses: dict[str, list[float]] = {v: [] for v in args.variants}
-    aligned: dict[str, list[float]] = {v: [] for v in args.variants}
-    skews: dict[str, list[float]] = {v: [] for v in args.variants}
-    cpu: dict[str, list[float]] = {v: [] for v in args.variants}
-    for step in range(args.steps):
-        ids, targets = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
-                                      micro_batch=micro, seq_len=args.seq_len)
-        order = args.variants[step % len(args.variants):] + args.variants[: step % len(args.variants)]
-        for variant in order:
-            engine = engines[variant]
-            if args.barrier:
-                dist.barrier()
-            t0 = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every rank of this machine's namespaces
-            cpu0 = time.process_time()
-            loss, _, _ = engine(ids, targets, 0.01)
-            engine.backward(loss)
-            engine.step()
-            stamps = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
-            mine = [t0, time.perf_counter(), time.process_time() - cpu0]
-            dist.all_gather(stamps, torch.tensor(mine, dtype=torch.float64))
-            starts, ends, cpus = zip(*(s.tolist() for s in stamps))
-            cpu[variant].append(statistics.fmean(cpus))  # the process's CPU (gloo's threads too), mean of the ranks
-            times[variant].append(max(e - s for s, e in zip(starts, ends)))  # the slowest rank's own window
-            aligned[variant].append(max(ends) - max(starts))  # from the last rank's start: the skew left out
-            skews[variant].append(max(starts) - min(starts))
-            losses[variant].append(float(loss.detach()))
+
+    batch: list[torch.Tensor] = []
+
+    def next_batch(step: int) -> None:
+        batch[:] = batch_for_rank(corpus, seed=args.seed, step=step, rank=rank, world_size=world,
+                                  micro_batch=micro, seq_len=args.seq_len)
+
+    def train_step(variant: str, step: int) -> torch.Tensor:
+        engine = engines[variant]
+        loss, _, _ = engine(*batch, 0.01)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    run = run_interleaved(args.variants, args.steps, world, train_step, args.barrier, next_batch)
+    times, aligned, skews, cpu, losses = run.times, run.aligned, run.skews, run.cpu, run.losses
     tokens = world * micro * args.seq_len
-    medians = {v: statistics.median(t[args.skip:]) for v, t in times.items()}
+    medians = run.medians("times", args.skip)
     ref = medians.get("deepspeed")
-    aligned_medians = {v: statistics.median(t[args.skip:]) for v, t in aligned.items()}
-    skew_medians = {v: statistics.median(t[args.skip:]) for v, t in skews.items()}
-    cpu_medians = {v: statistics.median(t[args.skip:]) for v, t in cpu.items()}
+    aligned_medians = run.medians("aligned", args.skip)
+    skew_medians = run.medians("skews", args.skip)
+    cpu_medians = run.medians("cpu", args.skip)
     schedules = {v: [core.schedule for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     models = {v: [core.schedule_model for core in _cores(engines[v])] for v in args.variants if v != "deepspeed"}
     means = {v: statistics.fmean(t) for v, t in times.items()}  # every step, trials and warm-up included

@@ -133,6 +133,17 @@ def _steps(engine, data: list, steps: range, before_step=None) -> list[float]:
     return losses
 
 
+def _counted_step(engine, ids) -> dict:
+    """Collectives and host syncs of one forward and one backward of the model (nothing else runs in them)."""
+    from ds_cobalt.runtime.call_counts import count_collectives, count_host_syncs
+
+    with count_collectives() as fwd, count_host_syncs() as fwd_syncs:
+        loss = engine(input_ids=ids, labels=ids).loss
+    with count_collectives() as bwd, count_host_syncs() as bwd_syncs:
+        engine.backward(loss)
+    return {"forward": dict(fwd), "backward": dict(bwd), "syncs": (sum(fwd_syncs.values()), sum(bwd_syncs.values()))}
+
+
 def _random_migrations(engine, step: int) -> None:
     import ds_cobalt
     from ds_cobalt.integrations.migration import migrate
@@ -177,6 +188,8 @@ def _train(family: str, zero_stage: int, impl: str, rank: int, steps: int, trace
     data = _data(rank)
     hook = _random_migrations if impl in ("migrating", "dense") else None
     out["losses"] = _steps(engine, data, range(steps), hook)
+    if impl in ("autoep", "dense"):
+        out["calls"] = _counted_step(engine, data[0])
     if cobalt is not None:
         out["traffic"] = ds_cobalt.traffic_summary(engine)
         out["load"] = [float(layer.stats.load_E.sum()) for layer in ds_cobalt.cobalt_layers(engine)]
@@ -246,6 +259,9 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
             assert dense["schedules"] == ["dense"] and dense["moved"], dense
             assert dense["losses"] == ref["losses"], f"{family} dense rank {rank}"
             assert dense["traffic"]["deepspeed_inter_node_bytes_padded"] == 0
+            # ... and its calls: per layer a count all-to-all, rows there and back (backward: both again), one sync
+            assert dense["calls"] == ref["calls"], (dense["calls"], ref["calls"])
+            assert ref["calls"]["forward"].get("all_to_all_single") == 3 * 2, ref["calls"]
             for impl in ("cobalt", "migrating", "overlap"):
                 co = res[(family, impl)]
                 n = len(co["losses"])
