@@ -86,6 +86,15 @@ def variant_config(base: dict, variant: str) -> dict | None:
     return config
 
 
+def summed_over_ranks(counters: dict[str, int]) -> dict[str, int]:
+    """`traffic_summary`'s per-rank counters summed over every rank (one all-reduce): a rank's own view sends its
+    routes out and its experts' rows back, which differ where the load is uneven."""
+    names = sorted(counters)
+    total = torch.tensor([float(counters[n]) for n in names], dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    return {n: int(v) for n, v in zip(names, total.tolist())}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world = start_job()
@@ -123,10 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     cobalt = [v for v in args.variants if v != "autoep"]
     schedules = {v: [core.schedule for core in layer_cores(engines[v])] for v in cobalt}
     histories = {v: [core.schedule_history for core in layer_cores(engines[v])] for v in cobalt}
-    traffic = {v: ds_cobalt.traffic_summary(engines[v]) for v in cobalt}
+    traffic = {v: summed_over_ranks(ds_cobalt.traffic_summary(engines[v])) for v in cobalt}
+    migrations = {v: [(m.step, m.reason, m.ok, len(m.moved)) for m in getattr(engines[v], "cobalt_migrations", [])]
+                  for v in cobalt}
     result = {"medians_s": medians, "autoep_over_variant": {v: ref / m for v, m in medians.items()} if ref else {},
               "cpu_medians_s": run.medians("cpu", args.skip), "schedules": schedules,
-              "schedule_histories": histories, "traffic": traffic, "step_times_s": run.times,
+              "schedule_histories": histories, "traffic": traffic, "migrations": migrations, "step_times_s": run.times,
               "losses": run.losses, "args": vars(args)}
     if rank == 0:
         print(f"autoep paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step "
