@@ -141,7 +141,9 @@ def _counted_step(engine, ids) -> dict:
         loss = engine(input_ids=ids, labels=ids).loss
     with count_collectives() as bwd, count_host_syncs() as bwd_syncs:
         engine.backward(loss)
-    return {"forward": dict(fwd), "backward": dict(bwd), "syncs": (sum(fwd_syncs.values()), sum(bwd_syncs.values()))}
+    # counted by call site, which differs (DeepSpeed's comm module, ds_cobalt's): the totals are compared
+    return {"collectives": (sum(fwd.values()), sum(bwd.values())),
+            "syncs": (sum(fwd_syncs.values()), sum(bwd_syncs.values()))}
 
 
 def _random_migrations(engine, step: int) -> None:
@@ -259,9 +261,10 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
             assert dense["schedules"] == ["dense"] and dense["moved"], dense
             assert dense["losses"] == ref["losses"], f"{family} dense rank {rank}"
             assert dense["traffic"]["deepspeed_inter_node_bytes_padded"] == 0
-            # ... and its calls: per layer a count all-to-all, rows there and back (backward: both again), one sync
+            # ... and its calls: per layer a count all-to-all and rows there and back (backward: the two row exchanges
+            # again; plus ZeRO's gradient reduction), and the same host syncs
             assert dense["calls"] == ref["calls"], (dense["calls"], ref["calls"])
-            assert ref["calls"]["forward"].get("all_to_all_single") == 3 * 2, ref["calls"]
+            assert ref["calls"]["collectives"][0] == 3 * 2, ref["calls"]
             for impl in ("cobalt", "migrating", "overlap"):
                 co = res[(family, impl)]
                 n = len(co["losses"])
@@ -292,6 +295,11 @@ def test_auto_ep_losses_match(run_ranks, tmp_path) -> None:
                                        err_msg=f"{family} resume rank {rank}")
         assert all(np.array_equal(r[("mixtral", "migrating")]["layouts"], res[("mixtral", "migrating")]["layouts"])
                    for r in results)
+    for family, _, steps in RUNS:
+        # dense computed exactly the routes, unpadded: every rank's tokens x top-2 per layer and forward (the training
+        # steps, then the counted one), over all ranks; DeepSpeed MoE's padded exchange computes E x C rows per rank
+        computed = sum(r[(family, "dense")]["traffic"]["expert_rows"] for r in results)
+        assert computed == 4 * (steps + 1) * BATCH * SEQ * 2 * 2, computed
 
 
 # ------------------------------------------------------------------ errors (single process, no process group)
