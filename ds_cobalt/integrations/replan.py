@@ -561,7 +561,7 @@ class Replanner:
                 continue
             old_T = _remote_nodes(layer, layer.layout_slots, samples_TK, source_T)
             common = dict(num_experts=layer.num_experts, link=self.link, interval=self._interval,
-                          tokens_per_step=float(payload[i, 4]))
+                          tokens_per_step=float(payload[i, 4]), gpus_per_node=layer.topology.ranks_per_node)
             check = confirm_on_newer_routing(actions[i], slots[i], layer.layout_slots, old_T,
                                              _remote_nodes(layer, slots[i], samples_TK, source_T), **common)
             if check.action != KEEP:

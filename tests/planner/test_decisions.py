@@ -142,7 +142,7 @@ def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() 
     current = np.arange(E).reshape(4, 2)  # nodes {0..3} and {4..7}
     planned = np.array([[0, 7], [1, 6], [2, 5], [3, 4]])  # nodes {0, 1, 6, 7} and {2..5}
     link = LinkModel(expert_params=100, token_bytes=64)
-    common = dict(num_experts=E, link=link, interval=100, tokens_per_step=4000.0)
+    common = dict(num_experts=E, link=link, interval=100, tokens_per_step=4000.0, gpus_per_node=2)
 
     def confirm(action: int, slots: np.ndarray, rows: tuple, **kw):
         old_T, new_T = (remote_nodes_of(*rows, layout, 2) for layout in (current, slots))
@@ -163,6 +163,27 @@ def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() 
     assert confirm(MIGRATE, planned, same, link=LinkModel(expert_params=10 ** 9, token_bytes=64)).action == KEEP
     none = np.zeros(0, dtype=np.int64)
     assert confirm_on_newer_routing(MIGRATE, planned, current, none, none, **common).action == MIGRATE
+
+
+def test_replica_change_is_confirmed_only_where_its_traffic_copies_pay() -> None:
+    """A replica-only change that adds a traffic copy (expert 0 of node 0 held on node 1) stands on newer rows only
+    where the cross-node tokens it saves there outweigh the copy's weights crossing every step."""
+    current = np.concatenate([np.arange(E).reshape(4, 2), np.full((4, 1), -1)], axis=1)
+    copied = current.copy()
+    copied[2, 2] = 0
+    topk = np.tile([4, 5], (4000, 1))
+    topk[:400, 0] = 0  # a tenth of node 1's tokens also choose expert 0
+    source = np.full(4000, 2)
+    old_T, new_T = (remote_nodes_of(topk, source, layout, 2) for layout in (current, copied))
+    assert abs(old_T.mean() - 0.1) < 1e-12 and new_T.mean() == 0.0
+
+    def confirm(expert_params: int) -> int:
+        return confirm_on_newer_routing(REPLICAS, copied, current, old_T, new_T, num_experts=E,
+                                        link=LinkModel(expert_params=expert_params, token_bytes=64), interval=100,
+                                        tokens_per_step=4000.0, gpus_per_node=2).action
+
+    assert confirm(100) == REPLICAS  # the copy costs ~0.0004 cross-node tokens per token
+    assert confirm(10 ** 6) == KEEP  # ~3.9: more than the tenth it saves
 
 
 def test_replan_seeds_stage1_without_kahypar(monkeypatch) -> None:
