@@ -12,10 +12,11 @@ window). Separate jobs here spread by +-15 % (`benchmarks/hf_autoep_pairs.py` ru
 
 Variants (`--variants`): `autoep` (DeepSpeed's AutoEP, the config's `"cobalt"` section removed), `auto`, `dense`,
 `direct`, `hierarchical` (the config's `"cobalt"` section with that `transport.schedule`; `auto` is the default),
-each of the last four with `-static` (re-planning off). The config's `"auto"` values (the Trainer's) are resolved
-as the Trainer would resolve them for the example: micro-batch `--batch-size`, no accumulation, clipping 1.0, Adam
-with `--lr`, betas (0.9, 0.999), eps 1e-8, no weight decay. Prints each variant's median step (the first `--skip`
-steps left out) and plain AutoEP's median over it (> 1: ds_cobalt faster), and each layer's schedule.
+each of the last four with `-static` (re-planning off) or `-nospare` (no spare slots, re-planning on). The config's
+`"auto"` values (the Trainer's) are resolved as the Trainer would resolve them for the example: micro-batch
+`--batch-size`, no accumulation, clipping 1.0, Adam with `--lr`, betas (0.9, 0.999), eps 1e-8, no weight decay.
+Prints each variant's median step (the first `--skip` steps left out) and plain AutoEP's median over it (> 1:
+ds_cobalt faster), and each layer's schedule.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from moe_lm import load_corpus
 
 SCHEDULES = ("auto", "dense", "direct", "hierarchical")
 STATIC = "-static"
+NO_SPARE = "-nospare"  # "<schedule>-nospare": that schedule with planner.redundant_slots 0 (re-planning on)
 # what the HF Trainer puts where the example's config says "auto" (its TrainingArguments' defaults)
 TRAINER_VALUES = {"gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "betas": [0.9, 0.999], "eps": 1e-8,
                   "weight_decay": 0.0}
@@ -40,7 +42,7 @@ TRAINER_VALUES = {"gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "b
 def parse_args(argv: list[str] | None = None):
     p = job_parser(__doc__, default_config=str(REPO / "ds_config_templates" / "hf_autoep_cpu.json"))
     p.add_argument("--variants", nargs="+", default=["autoep", "auto"],
-                   choices=["autoep", *SCHEDULES, *(s + STATIC for s in SCHEDULES)])
+                   choices=["autoep", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, NO_SPARE))])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--skip", type=int, default=12, help="warm-up steps left out of the medians (auto's trials)")
     p.add_argument("--model", choices=["mixtral", "qwen3_moe", "deepseek_v3"], default="mixtral")
@@ -80,9 +82,12 @@ def variant_config(base: dict, variant: str) -> dict | None:
         config.pop("cobalt", None)
         return config
     cobalt = config.setdefault("cobalt", {})
-    cobalt["transport"] = {**cobalt.get("transport", {}), "schedule": variant.removesuffix(STATIC)}
+    cobalt["transport"] = {**cobalt.get("transport", {}),
+                           "schedule": variant.removesuffix(STATIC).removesuffix(NO_SPARE)}
     if variant.endswith(STATIC):
         cobalt["planner"] = {**cobalt.get("planner", {}), "replan_interval": 0}
+    if variant.endswith(NO_SPARE):
+        cobalt["planner"] = {**cobalt.get("planner", {}), "redundant_slots": 0}
     return config
 
 
@@ -132,13 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     cobalt = [v for v in args.variants if v != "autoep"]
     schedules = {v: [core.schedule for core in layer_cores(engines[v])] for v in cobalt}
     histories = {v: [core.schedule_history for core in layer_cores(engines[v])] for v in cobalt}
+    stage2 = {v: [core.replica_history for core in layer_cores(engines[v])] for v in cobalt}
     traffic = {v: summed_over_ranks(ds_cobalt.traffic_summary(engines[v])) for v in cobalt}
     migrations = {v: [(m.step, m.reason, m.ok, len(m.moved)) for m in getattr(engines[v], "cobalt_migrations", [])]
                   for v in cobalt}
     result = {"medians_s": medians, "autoep_over_variant": {v: ref / m for v, m in medians.items()} if ref else {},
               "cpu_medians_s": run.medians("cpu", args.skip), "schedules": schedules,
-              "schedule_histories": histories, "traffic": traffic, "migrations": migrations, "step_times_s": run.times,
-              "losses": run.losses, "args": vars(args)}
+              "schedule_histories": histories, "stage2_histories": stage2, "traffic": traffic,
+              "migrations": migrations, "step_times_s": run.times, "losses": run.losses, "args": vars(args)}
     if rank == 0:
         print(f"autoep paired steps: {world} ranks, {args.steps} steps ({args.skip} left out), median step "
               "(slowest rank)")
