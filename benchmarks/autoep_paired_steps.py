@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _job import REPO, job_parser, read_config, run_interleaved, start_job
-from hf_trainer_mixtral import ByteWindows, model_config
+from hf_trainer_mixtral import ByteWindows, add_model_arguments, model_config
 from moe_lm import load_corpus
 
 SCHEDULES = ("auto", "dense", "direct", "hierarchical")
@@ -45,14 +45,7 @@ def parse_args(argv: list[str] | None = None):
                    choices=["autoep", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, NO_SPARE))])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--skip", type=int, default=12, help="warm-up steps left out of the medians (auto's trials)")
-    p.add_argument("--model", choices=["mixtral", "qwen3_moe", "deepseek_v3"], default="mixtral")
-    p.add_argument("--batch-size", type=int, default=4, help="per rank")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
+    add_model_arguments(p)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)
     return p.parse_args(argv)
 

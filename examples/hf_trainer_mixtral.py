@@ -29,11 +29,9 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 VOCAB = 256  # bytes
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON with 'expert_parallel' (and 'cobalt')")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's and the batch's arguments (also `benchmarks/autoep_paired_steps.py`'s)."""
     p.add_argument("--model", choices=["mixtral", "qwen3_moe", "deepseek_v3"], default="mixtral")
-    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--hidden", type=int, default=64)
@@ -41,6 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON with 'expert_parallel' (and 'cobalt')")
+    p.add_argument("--steps", type=int, default=30)
+    add_model_arguments(p)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps (0: none)")
