@@ -99,7 +99,6 @@ class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
         output = self.cobalt_core.run(x_TD, ro.selected_experts.long(), ro.top_scores, binding, training=self.training)
         return self._finalize_output(output.reshape(bsz, seqlen, hdim), x_TD, hidden_states, hdim)
 
-
     def autoep_exchange(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                         owner_block_E: torch.Tensor, ep_group: dist.ProcessGroup | None
                         ) -> tuple[torch.Tensor, ExchangeCounts]:
