@@ -38,7 +38,7 @@ from . import peer_watch
 from .auto_ep import adopt_auto_ep_layers
 from .cobalt_engine import CobaltEngine
 from .engine import configure_layers
-from .layers import layer_cores
+from .layers import SCHEDULES, layer_cores
 
 PREFIX = "cobalt/"
 _TRAFFIC_KEYS = (
@@ -62,7 +62,9 @@ class CobaltCallback(TrainerCallback):
     (token, expert) for AutoEP layers), `cobalt/inter_node_vs_baseline` (ratio), `cobalt/tokens`, and
     `cobalt/expert_load_max_over_mean` (mean over layers of the busiest expert's load over the mean); with a
     DeepSpeed engine also `cobalt/migrations`, `cobalt/experts_moved` and `cobalt/migration_failures` (owner
-    migrations by the replanner and around checkpoints, finished since the previous log).
+    migrations by the replanner and around checkpoints, finished since the previous log). Not summed:
+    `cobalt/layers_hierarchical`, `cobalt/layers_direct`, `cobalt/layers_dense` and `cobalt/layers_undecided`, the
+    number of MoE layers on each transport schedule at the log (undecided: `auto` still timing them).
     """
 
     def __init__(self, config: CobaltConfig | dict | None = None) -> None:
@@ -151,6 +153,8 @@ class CobaltCallback(TrainerCallback):
         }
         if imbalance:
             out[f"{PREFIX}expert_load_max_over_mean"] = sum(imbalance) / len(imbalance)
+        for name in (*SCHEDULES, None):  # what `transport.schedule: "auto"` runs now (the same on every rank)
+            out[f"{PREFIX}layers_{name or 'undecided'}"] = float(sum(layer.schedule == name for layer in layers))
         return out
 
     def _migration_metrics(self) -> dict[str, float]:

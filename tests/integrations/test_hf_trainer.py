@@ -54,6 +54,7 @@ def test_callback_metrics_reach_every_reporter(tmp_path: Path) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ds_cobalt.hf import CobaltCallback
+    from ds_cobalt.integrations.layers import layer_cores
 
     seen: list[dict] = []
 
@@ -83,6 +84,9 @@ def test_callback_metrics_reach_every_reporter(tmp_path: Path) -> None:
         assert row["cobalt/tokens"] == 2 * 4 * 8  # two steps of 4 x 8 tokens per logging window
         assert row["cobalt/inter_node_bytes"] == 0  # one rank, one node
         assert row["cobalt/expert_load_max_over_mean"] >= 1.0
+        # every MoE layer on one schedule (one rank: dense, nothing to send), not summed over the window
+        counts = {s: row[f"cobalt/layers_{s}"] for s in ("hierarchical", "direct", "dense", "undecided")}
+        assert counts == {"hierarchical": 0, "direct": 0, "dense": len(layer_cores(trainer.model)), "undecided": 0}
     history = [row for row in trainer.state.log_history if "loss" in row]
     assert all("cobalt/tokens" in row for row in history)
 
@@ -155,6 +159,7 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     assert all(x > 0 for x in c["cobalt/intra_node_bytes"])
     assert sum(c["cobalt/migrations"]) >= 1 and sum(c["cobalt/experts_moved"]) > 0, c
     assert sum(c["cobalt/migration_failures"]) == 0
+    assert set(c["cobalt/layers_hierarchical"]) == {2.0} and set(c["cobalt/layers_dense"]) == {0.0}  # pinned
     # the Trainer's checkpoint went through ds_cobalt's save wrapper (logical order + portable state)
     saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
     manifests = sorted(p.name for p in saved.glob("cobalt_state_rank*.json"))
