@@ -791,7 +791,7 @@ class LayerCore:
             schedule = self._pick_schedule(x_TD.device, timed=training)
         padded_by_deepspeed = True  # the router is DeepSpeed's, whose E x C buffers the counters compare with
         if schedule == DENSE and experts.native_dense is None:
-            if locations_TK is None:  # a router without capacity buffers (AutoEP): dropless locations
+            if locations_TK is None:  # a router without capacity buffers and no exchange of its own: dropless locations
                 locations_TK, deepspeed_capacity = expert_locations(topk_ids_TK, self.num_experts)
                 capacity_is_local, padded_by_deepspeed = True, False
             capacity = self._dense_group_capacity(deepspeed_capacity, capacity_is_local, x_TD.device)
