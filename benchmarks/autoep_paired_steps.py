@@ -30,6 +30,7 @@ import torch
 from _job import REPO, job_parser, read_config, run_interleaved, start_job
 from hf_trainer_mixtral import ByteWindows, add_model_arguments, model_config
 from moe_lm import load_corpus
+from traffic import summed_over_ranks
 
 SCHEDULES = ("auto", "dense", "direct", "hierarchical")
 STATIC = "-static"
@@ -84,13 +85,9 @@ def variant_config(base: dict, variant: str) -> dict | None:
     return config
 
 
-def summed_over_ranks(counters: dict[str, int]) -> dict[str, int]:
-    """`traffic_summary`'s per-rank counters summed over every rank (one all-reduce): a rank's own view sends its
-    routes out and its experts' rows back, which differ where the load is uneven."""
-    names = sorted(counters)
-    total = torch.tensor([float(counters[n]) for n in names], dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    return {n: int(v) for n, v in zip(names, total.tolist())}
+def traffic_over_ranks(summary: dict[str, int]) -> dict[str, int]:
+    """`traffic_summary`'s byte and row counters summed over every rank; steps and layer counts as they are."""
+    return summed_over_ranks(summary, [k for k in summary if k != "steps" and not k.startswith("layers_")])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     schedules = {v: [core.schedule for core in layer_cores(engines[v])] for v in cobalt}
     histories = {v: [core.schedule_history for core in layer_cores(engines[v])] for v in cobalt}
     stage2 = {v: [core.replica_history for core in layer_cores(engines[v])] for v in cobalt}
-    traffic = {v: summed_over_ranks(ds_cobalt.traffic_summary(engines[v])) for v in cobalt}
+    traffic = {v: traffic_over_ranks(ds_cobalt.traffic_summary(engines[v])) for v in cobalt}
     migrations = {v: [(m.step, m.reason, m.ok, len(m.moved)) for m in getattr(engines[v], "cobalt_migrations", [])]
                   for v in cobalt}
     result = {"medians_s": medians, "autoep_over_variant": {v: ref / m for v, m in medians.items()} if ref else {},

@@ -27,6 +27,13 @@ TRAFFIC_KEYS = (
 )
 
 
+def summed_over_ranks(counters: dict[str, int], keys: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """`counters` with `keys` summed over every rank (one all-reduce; collective), the other entries as they are: a
+    rank's own view sends its routes out and its experts' rows back, which differ where the load is uneven."""
+    total = all_reduce_host(torch.tensor([counters[k] for k in keys], dtype=torch.float64))
+    return {**counters, **{k: int(v) for k, v in zip(keys, total.tolist())}}
+
+
 class DeepSpeedTrafficMeter:
     """Counts the all-to-all bytes of every ``deepspeed.moe.layer.MoE`` layer in ``model`` on this rank.
 

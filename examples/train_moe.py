@@ -27,9 +27,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cobalt_report import StepTracker, print_summary, save_plot, summarize  # noqa: E402
 from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
-from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder  # noqa: E402
+from traffic import TRAFFIC_KEYS, DeepSpeedTrafficMeter, RoutingRecorder, summed_over_ranks  # noqa: E402
 
-from ds_cobalt.runtime.comm import all_reduce_host, collective_device  # noqa: E402 (NCCL moves no host tensors)
+from ds_cobalt.runtime.comm import collective_device  # noqa: E402
 
 
 def _schedule_shown(schedule: str | None, overlap: dict | None) -> str:
@@ -149,11 +149,8 @@ def expert_rows_per_rank(impl: str, model: torch.nn.Module, meter: DeepSpeedTraf
 
 
 def all_reduce_sum(summary: dict[str, int]) -> dict[str, int]:
-    keys = [k for k in TRAFFIC_KEYS if k != "steps"]
-    t = all_reduce_host(torch.tensor([summary[k] for k in keys], dtype=torch.float64))
-    out = {k: int(v) for k, v in zip(keys, t.tolist())}
-    out["steps"] = summary["steps"]
-    return out
+    summed = summed_over_ranks(summary, [k for k in TRAFFIC_KEYS if k != "steps"])
+    return {k: summed[k] for k in TRAFFIC_KEYS}
 
 
 def fmt_bytes(n: float) -> str:
