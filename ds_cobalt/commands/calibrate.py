@@ -4,7 +4,8 @@ Measured (as root, network namespaces joined by a `tc tbf`-limited veth, exactly
 benchmarks/cluster/run_cluster.sh builds them):
 - inter-node goodput per rate: one TCP stream through the limited veth (bytes/s received);
 - gloo all-to-all on loopback with `--world` ranks and node groups of `--ranks-per-node`: the fixed cost of
-  a collective (overhead + latency per peer, from tiny messages) and intra-node bytes/s (large messages);
+  a collective (overhead + latency per peer, from tiny messages) and intra-node bytes/s (large messages; with one
+  rank per node, over all ranks);
 - expert throughput: `--world` concurrent single-thread processes running an expert MLP forward + backward
   (the example's shape) on `--rows` rows, FLOP/s per process (so CPU sharing is included).
 `--compare RUNS` compares measured step-time ratios of `benchmarks/e2e_cluster.py` runs with the simulator.
@@ -81,8 +82,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ..sim.hardware import Hardware, parse_rate, save_hardware_json
 
+    for flag, value, low in (("--world", args.world, 2), ("--ranks-per-node", args.ranks_per_node, 1),
+                             ("--hidden", args.hidden, 1), ("--ffn", args.ffn, 1), ("--rows", args.rows, 1)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.world % args.ranks_per_node:
         raise ValueError(f"--world {args.world} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    for flag, rates in (("--rates", args.rates), ("--default-rate", [args.default_rate])):
+        for rate in rates:  # a bad rate fails before minutes of measuring
+            try:
+                parse_rate(rate)
+            except ValueError as err:
+                raise ValueError(f"{flag}: {err}") from None
     link: dict[str, float] = {}
     if not args.skip_link:
         for rate in args.rates:
@@ -189,9 +200,11 @@ def _worker(rank: int, world: int, G: int, hidden: int, ffn: int, rows: int, por
         "tiny_world_s": timed(lambda: dist.all_to_all_single(torch.empty_like(tiny_w), tiny_w), 200),
         "tiny_node_s": timed(lambda: dist.all_to_all_single(torch.empty_like(tiny_n), tiny_n, group=node), 200),
     }
-    big = torch.randn(G * (1 << 19))  # 2 MiB to every node peer
-    t_big = timed(lambda: dist.all_to_all_single(torch.empty_like(big), big, group=node), 10)
-    res["intra_bytes_per_s"] = big.numel() * 4 * (G - 1) / G / max(t_big - res["tiny_node_s"], 1e-9)
+    # one rank per node has no node peers: the same loopback all-to-all over all ranks stands for the node's link
+    peers, n, tiny = (node, G, res["tiny_node_s"]) if G > 1 else (None, world, res["tiny_world_s"])
+    big = torch.randn(n * (1 << 19))  # 2 MiB to every peer
+    t_big = timed(lambda: dist.all_to_all_single(torch.empty_like(big), big, group=peers), 10)
+    res["intra_bytes_per_s"] = big.numel() * 4 * (n - 1) / n / max(t_big - tiny, 1e-9)
     # Expert MLP forward + backward, all ranks at once (they share the CPU cores as in a run).
     mlp = torch.nn.Sequential(torch.nn.Linear(hidden, ffn), torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
     x = torch.randn(rows, hidden, requires_grad=True)

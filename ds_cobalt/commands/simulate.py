@@ -14,12 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--replay", action="store_true",
                         help="replay the trace step by step: stage 1 every --replan-interval steps, stage 2 every step")
-    parser.add_argument("--replan-interval", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=16, help="steps the trace is cut into for --replay")
-    parser.add_argument("--decay", type=float, default=0.7, help="EMA decay of the statistics for --replay")
-    parser.add_argument("--stage2", choices=("step", "predicted", "interval"), default="step",
-                        help="--replay: spare slots refilled from each step's loads (the runtime's default), from "
-                             "the averaged statistics, or kept from the last re-plan")
+    parser.add_argument("--replan-interval", type=int, default=None, help="--replay: steps between re-plans (4)")
+    parser.add_argument("--steps", type=int, default=None, help="steps the trace is cut into for --replay (16)")
+    parser.add_argument("--decay", type=float, default=None, help="EMA decay of the statistics for --replay (0.7)")
+    parser.add_argument("--stage2", choices=("step", "predicted", "interval"), default=None,
+                        help="--replay: spare slots refilled from each step's loads (the runtime's default, step), "
+                             "from the averaged statistics, or kept from the last re-plan")
     parser.add_argument("--expert-params", type=int, default=None,
                         help="--replay: parameters per expert, for the migration cost model (default: a DeepSeek-like "
                              "expert, 17.3M)")
@@ -37,9 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--ffn-matrices", type=int, default=None, help="3 = SwiGLU, 2 = plain MLP")
     hw.add_argument("--dtype-bytes", type=int, default=None, help="bytes per activation element (2 = bf16)")
     hw.add_argument("--step-tokens", type=int, default=None, help="tokens per step, all ranks (default: whole trace)")
-    hw.add_argument("--capacity-factor", type=float, default=1.25,
-                    help="DeepSpeed capacity factor (0 = pad to the largest expert count, drop_tokens=False)")
-    hw.add_argument("--min-capacity", type=int, default=4)
+    hw.add_argument("--capacity-factor", type=float, default=None,
+                    help="DeepSpeed capacity factor (default 1.25; 0 = pad to the largest expert count, "
+                         "drop_tokens=False)")
+    hw.add_argument("--min-capacity", type=int, default=None, help="DeepSpeed's min_capacity (default 4)")
     hw.add_argument("--synth-gpus", type=int, default=None,
                     help="no trace: predict a synthetic --model-shape job on this many GPUs")
 
@@ -48,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _STEP_TIME_MINIMA = {"hidden": 1, "ffn": 1, "ffn_matrices": 1, "dtype_bytes": 1, "step_tokens": 1,
                      "capacity_factor": 0, "min_capacity": 0, "synth_gpus": 1, "expert_params": 1,
                      "inter_node_gbps": 1e-6, "hidden_bytes": 1}
-_STEP_TIME_FLAGS = ("model_shape", "hidden", "ffn", "ffn_matrices", "dtype_bytes", "step_tokens", "inter_node_rate")
+_STEP_TIME_FLAGS = ("model_shape", "hidden", "ffn", "ffn_matrices", "dtype_bytes", "step_tokens", "inter_node_rate",
+                    "capacity_factor", "min_capacity")
+_STEP_TIME_DEFAULTS = {"capacity_factor": 1.25, "min_capacity": 4}
 _REPLAY_DEFAULTS = {"replan_interval": 4, "steps": 16, "decay": 0.7, "stage2": "step", "expert_params": None,
                     "inter_node_gbps": None, "hidden_bytes": None}
 
@@ -69,10 +72,20 @@ def _check_flags(args: argparse.Namespace) -> None:
         if given:
             raise ValueError(f"{', '.join(given)}: for the step-time model only (with --hardware, --hardware-json or "
                              "--synth-gpus)")
+    if step_time and args.replay:
+        raise ValueError("--replay: not with the step-time model (--hardware, --hardware-json, --synth-gpus)")
+    if args.synth_gpus:
+        given = [_flag(n) for n in ("trace", "layout") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not with --synth-gpus (it plans on a synthetic trace)")
     if not args.replay:
-        given = [_flag(n) for n, default in _REPLAY_DEFAULTS.items() if getattr(args, n) != default]
+        given = [_flag(n) for n in _REPLAY_DEFAULTS if getattr(args, n) is not None]
         if given:
             raise ValueError(f"{', '.join(given)}: for --replay only")
+    # the flags left out take their defaults
+    for name, default in {**_REPLAY_DEFAULTS, **_STEP_TIME_DEFAULTS}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def run(args: argparse.Namespace) -> int:

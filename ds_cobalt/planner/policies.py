@@ -382,9 +382,11 @@ def plan_layout(
     current: Layout | None = None,
     max_sample_tokens: int = 32768,
     seed: int = 0,
+    copy_cost: float = 0.0,
     progress: Callable[[int], None] | None = None,
 ) -> Layout:
-    """A layout for every layer of `trace` (statistics from all its tokens)."""
+    """A layout for every layer of `trace` (statistics from all its tokens). `copy_cost`: what one cross-node
+    traffic copy costs per step in cross-node tokens per token (`migration.copy_cost_per_token`; 0: free)."""
     E = trace.num_experts
     check_topology(E, nodes, gpus_per_node, redundant_slots)
     if policy not in POLICIES:
@@ -409,6 +411,7 @@ def plan_layout(
             redundant_slots=redundant_slots,
             current_slots_WS=None if current is None else current.layer(min(layer, current.num_layers - 1)),
             seed=seed,
+            copy_cost=copy_cost,
         )
         out.append(plan_layer(policy, inp))
         if progress is not None:

@@ -59,7 +59,7 @@ def kahypar_partition(
     w = count_M[keep]
     weights = np.maximum(1, np.round(w / max(w.max(), 1e-12) * 10000)).astype(np.int64).tolist()
     ctx_init = _kahypar_initializer(mtkahypar)
-    mtkahypar.set_seed(seed)
+    mtkahypar.set_seed(seed if -(1 << 31) <= seed < (1 << 31) else seed % (1 << 31))  # a C int there
     ctx = ctx_init.context_from_preset(mtkahypar.PresetType.DEFAULT)
     ctx.set_partitioning_parameters(N, 0.0, mtkahypar.Objective.KM1)
     ctx.logging = False

@@ -378,8 +378,11 @@ def predict_synthetic(shape: ModelShape, hw: Hardware, gpus: int, *, redundant_s
                       capacity_factor: float | None = 1.25, seed: int = 0) -> dict:
     """Predict a `gpus`-GPU job of `shape` from a synthetic trace (`sim/synth.py`, one layer scaled to
     `shape.moe_layers`). The expert-parallel group is min(gpus, E) GPUs (the rest is data parallel); the
-    cobalt layout is planned on one half of the tokens and scored on the other half. Rows are counted on
-    `sample_tokens_per_gpu` tokens per GPU and scaled to `shape.tokens_per_gpu` (times are linear in rows)."""
+    cobalt layout is planned on one half of the tokens and scored on the other half, its traffic copies priced
+    by their weights' bytes as the runtime's re-plans price them (`planner.migration.copy_cost_per_token`). Rows
+    are counted on `sample_tokens_per_gpu` tokens per GPU and scaled to `shape.tokens_per_gpu` (times are linear
+    in rows)."""
+    from ..planner.migration import LinkModel, copy_cost_per_token
     from ..planner.policies import plan_layout
     from .synth import synth_trace
 
@@ -399,16 +402,47 @@ def predict_synthetic(shape: ModelShape, hw: Hardware, gpus: int, *, redundant_s
     plan_on, score_on = full.select_tokens(np.sort(perm[:T])), full.select_tokens(np.sort(perm[T:]))
     # Tokens live on their GPU in contiguous blocks (the default source rank).
     score_on = Trace(score_on.experts_LTK, E)
+    link = LinkModel(expert_params=shape.ffn_matrices * shape.hidden * shape.ffn,
+                     weight_bytes_per_param=shape.dtype_bytes, token_bytes=shape.row_bytes)
+    copy_cost = copy_cost_per_token(link, ep * shape.tokens_per_gpu)
     cobalt = plan_layout(Trace(plan_on.experts_LTK, E), N, G, redundant_slots if G > 1 or N > 1 else 0, "cobalt",
-                         seed=seed)
+                         seed=seed, copy_cost=copy_cost)
     scale = shape.tokens_per_gpu / sample_tokens_per_gpu
     # Rows (padded capacity included) grow linearly with tokens; latency and overheads do not.
     pred = predict_step_times(score_on, cobalt, hw, shape, capacity_factor=capacity_factor,
                               layer_scale=shape.moe_layers, rows_scale=scale)
+    spares_used = keep_faster_without_spares(pred, score_on, cobalt, hw, shape, capacity_factor, scale)
     pred.update(gpus=gpus, ep=ep, nodes=N, gpus_per_node=G, model=shape.name, hardware=hw.name,
                 redundant_slots=redundant_slots, sample_tokens_per_gpu=sample_tokens_per_gpu,
-                tokens_per_gpu=shape.tokens_per_gpu)
+                tokens_per_gpu=shape.tokens_per_gpu, copy_cost=copy_cost, spare_slots_used=spares_used)
     return pred
+
+
+# the schedules whose spare slots `planner.stage2: "auto"` may leave unused where that is faster (the runtime times
+# replicas against none in the phased hierarchical and the direct schedule; the overlapped one keeps the replicas)
+STAGE2_CHOICE_VARIANTS = ("cobalt", "cobalt-direct")
+
+
+def keep_faster_without_spares(pred: dict, trace: Trace, layout: Layout, hw: Hardware, shape: ModelShape,
+                                capacity_factor: float | None, rows_scale: float) -> dict[str, bool]:
+    """For `STAGE2_CHOICE_VARIANTS`, replace `pred`'s figures by those of `layout` with its spare slots empty
+    where they are faster (each replica fetches its weights and returns their gradients every step). Returns,
+    per variant, whether the spare slots are used."""
+    if layout.slots_per_gpu == layout.num_experts // layout.world_size:
+        return dict.fromkeys(STAGE2_CHOICE_VARIANTS, False)
+    bare_LWS = layout.slots_LWS.copy()
+    bare_LWS[:, :, layout.num_experts // layout.world_size:] = -1
+    bare = predict_step_times(trace, Layout(layout.num_experts, layout.nodes, layout.gpus_per_node, bare_LWS), hw,
+                              shape, variants=STAGE2_CHOICE_VARIANTS, capacity_factor=capacity_factor,
+                              layer_scale=shape.moe_layers, rows_scale=rows_scale)
+    used = {}
+    for v in STAGE2_CHOICE_VARIANTS:
+        used[v] = pred["step_s"][v] <= bare["step_s"][v]
+        if not used[v]:
+            for key in ("step_s", "comm_s", "compute_s", "inter_node_bytes"):
+                pred[key][v] = bare[key][v]
+            pred["speedup_vs_deepspeed"][v] = pred["step_s"]["deepspeed"] / pred["step_s"][v]
+    return used
 
 
 def format_prediction(pred: dict) -> str:
@@ -418,4 +452,7 @@ def format_prediction(pred: dict) -> str:
         sp = pred.get("speedup_vs_deepspeed", {}).get(v, float("nan"))
         lines.append(f"{v:<20}{s * 1e3:>12.3f}{pred['comm_s'][v] * 1e3:>12.3f}"
                      f"{pred['compute_s'][v] * 1e3:>12.3f}{sp:>10.3f}")
+    if "spare_slots_used" in pred:
+        lines.append("spare slots (planner.stage2 auto keeps the faster): " + ", ".join(
+            f"{v} {'replicas' if used else 'none'}" for v, used in pred["spare_slots_used"].items()))
     return "\n".join(lines)

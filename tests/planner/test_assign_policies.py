@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ds_cobalt.planner.assign import assign_tasks, remote_nodes_per_token
-from ds_cobalt.planner.layout import Layout, contiguous_layout, layout_from_dict
+from ds_cobalt.planner.layout import Layout, contiguous_layout, cross_node_copies, layout_from_dict
 from ds_cobalt.planner.migration import LinkModel, migration_worth_it
 from ds_cobalt.planner.policies import POLICIES, plan_layout
 from ds_cobalt.planner.stage1 import plan_nodes, relabel_to_current
@@ -144,6 +144,17 @@ def test_cobalt_beats_deepspeed_and_stage1_keeps_experts():
     assert np.array_equal(relabel_to_current(perm[first], first, 4), first)
     again = plan_nodes(st.load_E, st.coact_EE, st.sets_MK, st.count_M, 4, current_node_of_E=first)
     assert (again == first).mean() >= 0.75
+
+
+def test_plan_layout_prices_traffic_copies():
+    """`plan_layout(copy_cost=...)`: free copies fill spare slots on other nodes than their owners' where they cut
+    traffic; copies that cost more than any token they save are left out."""
+    trace = synth_trace(num_experts=16, top_k=2, num_tokens=4000, gini=0.3, clustering=0.6, seed=0)
+
+    def copies(cost: float) -> int:
+        return int(cross_node_copies(plan_layout(trace, 4, 2, 1, "cobalt", copy_cost=cost).layer(0), 16, 2).sum())
+
+    assert copies(0.0) > 0 and copies(10.0) == 0
 
 
 def test_bad_topology_and_layout():

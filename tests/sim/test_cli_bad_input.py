@@ -70,6 +70,14 @@ def test_simulate_flags(files, capsys):
     assert "steps=101 exceeds the tokens of the busiest source rank (100)" in _error(
         capsys, [*base, "--replay", "--steps", "101"])
     assert "--stage2: for --replay only" in _error(capsys, [*base, "--stage2", "interval"])
+    # flags given at their default value are not silently ignored either
+    assert "--steps, --stage2: for --replay only" in _error(capsys, [*base, "--stage2", "step", "--steps", "16"])
+    assert "--capacity-factor: for the step-time model only" in _error(capsys, [*base, "--capacity-factor", "1.25"])
+    assert "--replay: not with the step-time model" in _error(
+        capsys, [*base, "--replay", "--hardware", "H100", "--model-shape", "mixtral"])
+    assert "--trace: not with --synth-gpus" in _error(
+        capsys, ["simulate", "--trace", str(files["t16"]), "--synth-gpus", "8", "--hardware", "H100",
+                 "--model-shape", "mixtral"])
     assert "--model-shape: for the step-time model only" in _error(capsys, [*base, "--model-shape", "qwen"])
     hw = [*base, "--hardware", "H100", "--model-shape", "mixtral"]
     assert "--hidden must be >= 1, got -1" in _error(capsys, [*hw, "--hidden", "-1"])
@@ -106,3 +114,23 @@ def test_report_and_compare_name_bad_files(tmp_path, capsys):
     del data["step_times_s"]
     metrics.write_text(json.dumps(data))
     assert "1gbit-cobalt/metrics.json: missing step_times_s" in _error(capsys, ["calibrate", "--compare", str(runs)])
+
+
+def test_calibrate_checks_its_flags_before_measuring(tmp_path, capsys):
+    out = tmp_path / "hw.json"
+    for argv, message in ((["--ranks-per-node", "0"], "--ranks-per-node must be >= 1, got 0"),
+                          (["--world", "0"], "--world must be >= 2, got 0"),
+                          (["--world", "3"], "--world 3 is not a multiple of --ranks-per-node 2"),
+                          (["--default-rate", "fast"], "--default-rate: rate 'fast': expected a tc rate"),
+                          (["--rates", "1gbit", "5xbit"], "--rates: rate '5xbit'")):
+        assert message in _error(capsys, ["calibrate", "--skip-link", *argv, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_plan_takes_any_integer_seed(files, tmp_path, capsys):
+    # Mt-KaHyPar, one of stage 1's seeds, takes a C int: larger seeds are folded into its range
+    for seed in (2**31, 2**40, -5):
+        out = tmp_path / f"l{seed}.json"
+        assert main(["plan", "--trace", str(files["t16"]), "--nodes", "2", "--gpus-per-node", "2", "--seed", str(seed),
+                     "--out", str(out)]) == 0 and out.exists()
+    capsys.readouterr()

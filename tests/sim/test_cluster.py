@@ -16,6 +16,7 @@ from ds_cobalt.sim.cluster import (
     VARIANTS,
     cobalt_rows,
     deepspeed_rows,
+    keep_faster_without_spares,
     layer_times,
     predict_step_times,
     predict_synthetic,
@@ -183,3 +184,29 @@ def test_predict_synthetic_small():
     assert pred["ep"] == 8 and pred["nodes"] == 4
     assert pred["speedup_vs_deepspeed"]["cobalt"] > 0
     assert json.loads(json.dumps(pred))
+
+
+def test_spare_slots_are_left_unused_where_their_weights_cost_more_than_they_save():
+    """`predict_synthetic` keeps, for the schedules whose spare slots `planner.stage2: "auto"` may leave unused, the
+    faster of the layout with its replicas and without them: a replica that halves the busiest GPU's rows stays
+    while its weights are cheap, and goes (the figures then are the bare layout's) once they cost more."""
+    T = 400
+    topk = np.stack([np.zeros(T, int), np.full(T, 1)], axis=1)  # every token picks experts 0 and 1 (rank 0)
+    trace = Trace(topk[None], 4)
+    rep = Layout(4, 1, 2, np.array([[[0, 1, -1], [2, 3, 0]]]))
+    bare = Layout(4, 1, 2, np.array([[[0, 1, -1], [2, 3, -1]]]))
+    # compute-bound small experts (the replica halves the busiest GPU's work), then large experts on fast GPUs
+    for ffn, gemm_flops, replicas_pay in ((16, 1e6, True), (1 << 16, 1e18, False)):
+        shape = ModelShape(num_experts=4, top_k=2, hidden=64, ffn=ffn, ffn_matrices=2, dtype_bytes=4)
+        hw = Hardware(name="t", gpus_per_node=2, inter_node_bw_gpu=1e9, inter_node_bw_node=2e9, intra_node_bw=1e9,
+                      latency_s=0.0, collective_overhead_s=0.0, gemm_flops=gemm_flops)
+        pred = predict_step_times(trace, rep, hw, shape)
+        with_replicas = dict(pred["step_s"])
+        used = keep_faster_without_spares(pred, trace, rep, hw, shape, 1.25, 1.0)
+        without = predict_step_times(trace, bare, hw, shape)["step_s"]
+        assert used == {"cobalt": replicas_pay, "cobalt-direct": replicas_pay}
+        for v in ("cobalt", "cobalt-direct"):
+            assert (with_replicas[v] < without[v]) == replicas_pay
+            assert pred["step_s"][v] == pytest.approx(min(with_replicas[v], without[v]))
+            assert pred["speedup_vs_deepspeed"][v] == pytest.approx(pred["step_s"]["deepspeed"] / pred["step_s"][v])
+        assert pred["step_s"]["cobalt-overlap"] == with_replicas["cobalt-overlap"]  # keeps the layout's replicas
