@@ -134,3 +134,30 @@ def test_plan_takes_any_integer_seed(files, tmp_path, capsys):
         assert main(["plan", "--trace", str(files["t16"]), "--nodes", "2", "--gpus-per-node", "2", "--seed", str(seed),
                      "--out", str(out)]) == 0 and out.exists()
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(traffic=[1, 2]), "traffic must be an object"),
+    (lambda d: d.update(final_loss=None), "final_loss must be a number, got None"),
+    (lambda d: d["traffic"].pop("deepspeed_inter_node_bytes_padded"), "traffic.deepspeed_inter_node_bytes_padded is "
+                                                                      "missing"),
+    (lambda d: d.update(model="x"), "model must be an object"),
+    (lambda d: d["model"].pop("d_model"), "model.d_model is missing"),
+    (lambda d: d.update(world_size=0), "world_size must be an int >= 1, got 0"),
+    (lambda d: d.update(ranks_per_node=3), "world_size 4 is not a multiple of ranks_per_node 3"),
+    (lambda d: d.update(step_times_s=[]), "step_times_s must be a non-empty list of numbers"),
+])
+def test_hand_edited_metrics_are_named_not_a_traceback(tmp_path, capsys, edit, message):
+    runs = tmp_path / "e2e"
+    shutil.copytree(REPO / "tests" / "data" / "e2e_default", runs, ignore=shutil.ignore_patterns("repeats"))
+    metrics = runs / "1gbit-cobalt" / "metrics.json"
+    data = json.loads(metrics.read_text())
+    edit(data)
+    metrics.write_text(json.dumps(data))
+    verbs = []
+    if not message.startswith("final_loss"):  # the comparison does not read the loss
+        verbs.append(["calibrate", "--compare", str(runs)])
+    if not message.startswith("model"):  # the report does not read the model
+        verbs.append(["report", str(runs)])
+    for argv in verbs:
+        assert f"1gbit-cobalt/metrics.json: {message}" in _error(capsys, argv)
