@@ -161,3 +161,23 @@ def test_hand_edited_metrics_are_named_not_a_traceback(tmp_path, capsys, edit, m
         verbs.append(["report", str(runs)])
     for argv in verbs:
         assert f"1gbit-cobalt/metrics.json: {message}" in _error(capsys, argv)
+
+
+def test_plan_prices_traffic_copies_with_the_model_sizes(tmp_path, capsys):
+    from ds_cobalt.planner.layout import cross_node_copies, load_layout
+
+    trace = tmp_path / "t.npz"
+    save_trace(synth_trace(num_experts=16, top_k=2, num_tokens=4000, gini=0.3, clustering=0.6, seed=0), trace)
+    base = ["plan", "--trace", str(trace), "--nodes", "4", "--gpus-per-node", "2", "--redundant-slots", "1"]
+    copies = {}
+    for name, price in (("free", []), ("priced", ["--expert-params", "1000000", "--hidden-bytes", "256",
+                                                  "--tokens-per-step", "4000"])):
+        assert main([*base, *price, "--out", str(tmp_path / f"{name}.json")]) == 0
+        copies[name] = int(cross_node_copies(load_layout(tmp_path / f"{name}.json").layer(0), 16, 2).sum())
+    assert copies["free"] > 0 and copies["priced"] == 0  # a 1M-parameter copy costs ~1 cross-node token per token
+    out = tmp_path / "x.json"
+    assert "needs --hidden-bytes, --tokens-per-step too" in _error(capsys, [*base, "--expert-params", "5", "--out",
+                                                                            str(out)])
+    assert "--tokens-per-step must be >= 1, got 0" in _error(
+        capsys, [*base, "--expert-params", "5", "--hidden-bytes", "8", "--tokens-per-step", "0", "--out", str(out)])
+    assert not out.exists()
