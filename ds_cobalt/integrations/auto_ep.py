@@ -67,13 +67,17 @@ class CobaltAutoEPLayer(CoreAccess, AutoEPMoELayer):
         layer.cobalt_core = LayerCore(
             num_experts=layer.num_experts, top_k=layer.top_k, owner_slots=layer.num_local_experts,
             model_dim=int(gate.shape[1]), settings=config, owner=layer, pieces=layer.expert_state_pieces,
-            device=lambda: gate.device)
+            device=layer.weights_device)
         experts = layer.experts
         # not a submodule (no parameters, not in state dicts): bound to weight rows at each call
         object.__setattr__(layer, "_expert_module", FusedExpertMLP(
             experts.activation, experts.activation_alpha, experts.activation_limit))
         layer.cobalt_core.attach(groups)
         return layer
+
+    def weights_device(self) -> torch.device:
+        """Where the layer's weights are now (the router's)."""
+        return self.router.gate.weight.device
 
     # ----- training state (integrations/migration.py) ----------------------------------------------
     def expert_state_pieces(self, slot: int) -> list[Piece]:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.moe.sharded_moe import MOE_TIMER
 
 from ..config import CobaltConfig
 from ..runtime.layer import ExpertBinding, LayerCore, Piece
@@ -43,6 +44,10 @@ class MoE(CoreAccess, DeepSpeedMoE):
             raise ValueError("ds_cobalt.MoE: enable_expert_tensor_parallelism=True is not supported yet")
         if num_experts % ep_size != 0:
             raise ValueError(f"ds_cobalt.MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if isinstance(k, float) and k.is_integer():
+            k = int(k)  # a JSON config may give 2.0; DeepSpeed's gate runs it as top-2
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= num_experts:
+            raise ValueError(f"ds_cobalt.MoE: k must be an int in [1, num_experts={num_experts}], got {k!r}")
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
@@ -65,8 +70,11 @@ class MoE(CoreAccess, DeepSpeedMoE):
     def _new_core(self) -> LayerCore:
         return LayerCore(num_experts=self.num_experts, top_k=self.deepspeed_moe.gate.k,
                          owner_slots=self.num_local_experts, model_dim=self.model_dim, settings=self.cobalt_config,
-                         owner=self, pieces=self.expert_state_pieces,
-                         device=lambda: self.deepspeed_moe.gate.wg.weight.device)
+                         owner=self, pieces=self.expert_state_pieces, device=self.weights_device)
+
+    def weights_device(self) -> torch.device:
+        """Where the layer's weights are now (the gate's)."""
+        return self.deepspeed_moe.gate.wg.weight.device
 
     def _ensure_groups(self) -> None:
         """A one-rank layer used without `deepspeed.initialize` gets a group of its own."""
@@ -97,6 +105,8 @@ class MoE(CoreAccess, DeepSpeedMoE):
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         moe = self.deepspeed_moe
+        if moe.wall_clock_breakdown:  # DeepSpeed's "fwd_moe" figure (`"wall_clock_breakdown": true`)
+            moe.timers(MOE_TIMER).start()
         d_model = hidden_states.shape[-1]
         x_TD = hidden_states.reshape(-1, d_model)
         # DeepSpeed's gate, sparse form: [K, T] expert ids (-1 = dropped) and weights.
@@ -110,6 +120,9 @@ class MoE(CoreAccess, DeepSpeedMoE):
         output = self._forward_core().run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
                                           locations_KT.t(), training=self.training)
         output = output.reshape(hidden_states.shape)
+        if moe.wall_clock_breakdown:
+            moe.timers(MOE_TIMER).stop()
+            moe.time_moe = moe.timers(MOE_TIMER).elapsed(reset=False)
 
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)

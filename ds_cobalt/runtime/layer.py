@@ -241,6 +241,18 @@ class LayerCore:
         # every timed choice of `stage2` (how the spare slots are used): forward, schedule, mode, median step seconds
         self.replica_history: list[dict] = []
 
+    # A core holds its layer weakly (the layer holds the core). Copies and pickles of the layer (`copy.deepcopy` of a
+    # template block, `torch.save(model)`) carry the reference as a strong one, so the copy's core refers to the
+    # copy, not to the layer it was copied from. The other callables (`pieces`, `device`) are the owner's bound
+    # methods, which copy and pickle the same way.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_owner": self._owner()}
+
+    def __setstate__(self, state: dict) -> None:
+        owner = state.pop("_owner")
+        self.__dict__.update(state)
+        self._owner = weakref.ref(owner) if owner is not None else lambda: None
+
     # ----- groups and layout -----------------------------------------------------------------------
     def attach(self, groups: EPGroups) -> None:
         """Use `groups` and DeepSpeed's contiguous layout."""

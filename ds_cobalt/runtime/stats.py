@@ -28,8 +28,8 @@ class DeviceRoutingStats:
     def update(self, topk_ids_TK: torch.Tensor, planned: bool = True) -> None:
         """Count one forward's routes; `planned=False` counts load only (a layer the replanner leaves out)."""
         if self.load_E.device != topk_ids_TK.device:  # the model moved after construction
-            self.load_E, self.coact_EE, self.sample_BK = (
-                t.to(topk_ids_TK.device) for t in (self.load_E, self.coact_EE, self.sample_BK))
+            self.load_E, self.coact_EE, self.sample_BK = (_moved(t, topk_ids_TK.device)
+                                                          for t in (self.load_E, self.coact_EE, self.sample_BK))
         T, K = topk_ids_TK.shape
         ids = topk_ids_TK.long()
         valid = ids >= 0
@@ -69,3 +69,11 @@ class DeviceRoutingStats:
         self.coact_EE.zero_()
         self.sample_BK.fill_(-1)
         self.tokens = self.sampled = 0
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. A layer built on the meta device (deferred initialisation, then `to_empty`) has counted
+    nothing yet: its meta tensors, which hold no data, become what the constructor makes (-1 for the sample rows)."""
+    if t.is_meta:
+        return torch.full(t.shape, -1 if t.dtype == torch.long else 0, dtype=t.dtype, device=device)
+    return t.to(device)

@@ -1,0 +1,74 @@
+"""`ds_cobalt.MoE` as a module, like DeepSpeed's: deep copies of a template layer, `torch.save` of a model, meta-device
+(deferred) initialisation and the gate's `k`, in one process without torch.distributed (a one-rank layer)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+D, E = 8, 4
+
+
+def _expert() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(D, 16), torch.nn.ReLU(), torch.nn.Linear(16, D))
+
+
+def _layer(**kw) -> torch.nn.Module:
+    import ds_cobalt
+
+    torch.manual_seed(0)
+    return ds_cobalt.MoE(D, _expert(), E, k=2, drop_tokens=False, **kw)
+
+
+def _output(layer: torch.nn.Module) -> torch.Tensor:
+    torch.manual_seed(1)  # the gate samples its second expert
+    return layer(torch.randn(12, D, generator=torch.Generator().manual_seed(2)))[0].detach()
+
+
+def test_a_deep_copy_is_a_layer_of_its_own():
+    template = _layer()
+    clone = copy.deepcopy(template)
+    assert clone.cobalt_core._owner() is clone and clone.cobalt_core is not template.cobalt_core
+    expected = _output(template)
+    template.to("meta")  # the template elsewhere: the copy's lookup tables follow its own weights
+    assert clone.cobalt_core._device() == torch.device("cpu")
+    torch.testing.assert_close(_output(clone), expected, rtol=0, atol=0)
+
+
+def test_torch_save_and_load_of_the_module():
+    layer = _layer()
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.cobalt_core._owner() is loaded
+    torch.testing.assert_close(_output(loaded), _output(layer), rtol=0, atol=0)
+
+
+def test_meta_device_construction_then_to_empty():
+    reference = _layer()
+    with torch.device("meta"):
+        deferred = _layer()
+    deferred.to_empty(device="cpu")
+    deferred.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(_output(deferred), _output(reference), rtol=0, atol=0)
+
+
+def test_k_is_checked_and_an_integral_float_is_taken():
+    import ds_cobalt
+
+    assert ds_cobalt.MoE(D, _expert(), E, k=2.0).deepspeed_moe.gate.k == 2  # as a JSON config may give it
+    for k in (0, -1, E + 1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"k must be an int in \[1, num_experts={E}\], got {k!r}"):
+            ds_cobalt.MoE(D, _expert(), E, k=k)
+
+
+def test_wall_clock_breakdown_times_the_layer():
+    # what DeepSpeed's engine sets on every MoE layer with `"wall_clock_breakdown": true`, and reads after a step
+    layer = _layer()
+    layer.deepspeed_moe.wall_clock_breakdown = True
+    _output(layer)
+    assert layer.deepspeed_moe.time_moe > 0
