@@ -27,6 +27,22 @@ def configure_layers(model: torch.nn.Module, config: CobaltConfig) -> int:
     return len(layers)
 
 
+def _check_model_parameters(model_parameters: Any, model: torch.nn.Module) -> None:
+    """ValueError where `model_parameters` is a list of param groups that hold no parameter at all while the model
+    has trainable ones: typically `split_params_into_different_moe_groups_for_optimizer({"params":
+    model.parameters(), ...})`, whose generator the helper uses up, so that DeepSpeed builds an optimizer that
+    trains nothing (ZeRO 0) or fails on the missing MoE group (ZeRO 1/2)."""
+    if not isinstance(model_parameters, (list, tuple)) or not model_parameters:
+        return
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in model_parameters):
+        return  # plain parameters, or groups whose params are not read here (a generator would be used up)
+    if all(len(g["params"]) == 0 for g in model_parameters) and any(
+            p.requires_grad for p in model.parameters()):
+        raise ValueError("ds_cobalt.initialize: model_parameters holds no parameter in any group; pass a list of "
+                         "parameters (e.g. {'params': list(model.parameters()), 'name': 'p'}): a generator, such as "
+                         "model.parameters(), is used up by split_params_into_different_moe_groups_for_optimizer")
+
+
 def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
                config: str | Path | dict | None = None, **kwargs: Any):
     """Like `deepspeed.initialize`, and returns the same tuple; the config may carry a `"cobalt"` section.
@@ -45,6 +61,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     if config is None:
         raise ValueError("ds_cobalt.initialize: pass config=<path or dict> or args.deepspeed_config")
     ds_config, cobalt = split_deepspeed_config(config)
+    _check_model_parameters(kwargs.get("model_parameters"), model)
     configure_layers(model, cobalt)
     result = deepspeed.initialize(args=args, model=model, config=ds_config, **kwargs)
     peer_watch.install()  # a failing rank names the peers that died first

@@ -72,3 +72,15 @@ def test_wall_clock_breakdown_times_the_layer():
     layer.deepspeed_moe.wall_clock_breakdown = True
     _output(layer)
     assert layer.deepspeed_moe.time_moe > 0
+
+
+def test_initialize_names_param_groups_left_empty_by_a_used_up_generator():
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    import ds_cobalt
+
+    model = torch.nn.Sequential(_layer())
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+    assert all(len(g["params"]) == 0 for g in groups)  # the generator was used up: nothing would train
+    with pytest.raises(ValueError, match=r"model_parameters holds no parameter in any group"):
+        ds_cobalt.initialize(model=model, model_parameters=groups, config={"train_batch_size": 1})
