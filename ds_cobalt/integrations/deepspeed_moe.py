@@ -7,15 +7,17 @@ expert-data-parallel reduction and ZeRO-1/2 are unchanged. The gate is DeepSpeed
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.moe.sharded_moe import MOE_TIMER
 
 from ..config import CobaltConfig
+from ..runtime.comm import timed_exchanges
 from ..runtime.layer import ExpertBinding, LayerCore, Piece
 from ..runtime.topology import EPGroups, Topology, build_ep_groups, detect_ranks_per_node
 from .layers import CoreAccess
@@ -117,12 +119,17 @@ class MoE(CoreAccess, DeepSpeedMoE):
         experts = list(moe.experts.deepspeed_experts)
         binding = ExpertBinding(experts[0], tuple(name for name, _ in experts[0].named_parameters()),
                                 [tuple(expert.parameters()) for expert in experts], experts)
-        output = self._forward_core().run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
-                                          locations_KT.t(), training=self.training)
+        with timed_exchanges(get_accelerator().synchronize) if moe.wall_clock_breakdown else nullcontext() as times:
+            output = self._forward_core().run(x_TD, ids_KT.t().long(), weights_KT.t(), binding, capacity, local,
+                                              locations_KT.t(), training=self.training)
         output = output.reshape(hidden_states.shape)
         if moe.wall_clock_breakdown:
             moe.timers(MOE_TIMER).stop()
             moe.time_moe = moe.timers(MOE_TIMER).elapsed(reset=False)
+            # DeepSpeed's two all-to-alls: the first half of the forward's row exchanges (the dispatch side, with a
+            # replica fetch) and the second half (the combine side), in ms as its timers give them
+            half = (len(times) + 1) // 2
+            moe.time_falltoall, moe.time_salltoall = 1e3 * sum(times[:half]), 1e3 * sum(times[half:])
 
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)

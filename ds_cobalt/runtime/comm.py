@@ -7,7 +7,10 @@ a local copy), never the default world group.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +75,36 @@ def group_capacity(capacity: torch.Tensor | int, is_local: bool, group: dist.Pro
     return int(value.item())  # NOTE: host sync
 
 
+# (seconds list, synchronise) while `timed_exchanges` is active in this context; None otherwise
+_EXCHANGE_TIMES: ContextVar[tuple[list[float], Callable[[], None]] | None] = ContextVar("exchange_times", default=None)
+
+
+@contextmanager
+def timed_exchanges(synchronize: Callable[[], None]) -> Iterator[list[float]]:
+    """Within: the seconds of every forward row exchange (`all_to_all_rows`, `all_to_all_row_pair`), the device
+    synchronised before and after each, in call order, in the list yielded (DeepSpeed's `wall_clock_breakdown`).
+    Outside it the exchanges time nothing."""
+    times: list[float] = []
+    token = _EXCHANGE_TIMES.set((times, synchronize))
+    try:
+        yield times
+    finally:
+        _EXCHANGE_TIMES.reset(token)
+
+
+def _timed(exchange: Callable, *args):
+    sink = _EXCHANGE_TIMES.get()
+    if sink is None:
+        return exchange(*args)
+    times, synchronize = sink
+    synchronize()
+    start = time.perf_counter()
+    out = exchange(*args)
+    synchronize()
+    times.append(time.perf_counter() - start)
+    return out
+
+
 def all_to_all_rows(rows: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                     group: dist.ProcessGroup | None) -> torch.Tensor:
     """Variable-size all-to-all of the rows of `rows` (dim 0); differentiable.
@@ -97,7 +130,7 @@ class _AllToAllRows(torch.autograd.Function):
     def forward(ctx, rows, send_splits, recv_splits, group):  # type: ignore[override]
         ctx.splits = (send_splits, recv_splits)
         ctx.group = group
-        return _all_to_all(rows, send_splits, recv_splits, group)
+        return _timed(_all_to_all, rows, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -154,7 +187,7 @@ class _AllToAllRowPair(torch.autograd.Function):
     def forward(ctx, a, b, send_splits, recv_splits, group):  # type: ignore[override]
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         ctx.like = (a.new_empty((0, *a.shape[1:])), b.new_empty((0, *b.shape[1:])))
-        return _pair_exchange(a, b, send_splits, recv_splits, group)
+        return _timed(_pair_exchange, a, b, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad_a, grad_b):  # type: ignore[override]

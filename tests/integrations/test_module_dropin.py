@@ -8,6 +8,7 @@ import io
 
 import pytest
 import torch
+from conftest import run_ranks
 
 D, E = 8, 4
 
@@ -66,12 +67,29 @@ def test_k_is_checked_and_an_integral_float_is_taken():
             ds_cobalt.MoE(D, _expert(), E, k=k)
 
 
-def test_wall_clock_breakdown_times_the_layer():
+def _breakdown(rank: int, world: int, schedule: str) -> dict:
+    import ds_cobalt
+
+    layer = _layer(ep_size=world)
+    engine, *_ = ds_cobalt.initialize(
+        model=layer, model_parameters=layer.parameters(),
+        config={"train_micro_batch_size_per_gpu": 12, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "wall_clock_breakdown": True,
+                "cobalt": {"topology": {"ranks_per_node": 1}, "transport": {"schedule": schedule}}})
+    moe = layer.deepspeed_moe
+    out, aux, _ = engine(torch.randn(12, D, generator=torch.Generator().manual_seed(rank)))
+    engine.backward(out.square().sum() + aux)
+    engine.step()
+    return {"set": moe.wall_clock_breakdown, "moe": moe.time_moe, "first": moe.time_falltoall,
+            "second": moe.time_salltoall}
+
+
+@pytest.mark.parametrize("schedule", ["direct", "hierarchical"])
+def test_wall_clock_breakdown_times_the_layer_and_its_exchanges(schedule):
     # what DeepSpeed's engine sets on every MoE layer with `"wall_clock_breakdown": true`, and reads after a step
-    layer = _layer()
-    layer.deepspeed_moe.wall_clock_breakdown = True
-    _output(layer)
-    assert layer.deepspeed_moe.time_moe > 0
+    for r in run_ranks(_breakdown, 2, schedule):
+        assert r["set"] and r["moe"] > 0 and r["first"] > 0 and r["second"] > 0, r
+        assert r["first"] + r["second"] < r["moe"], r
 
 
 def test_initialize_names_param_groups_left_empty_by_a_used_up_generator():
