@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HELP = "routing trace tools: synth (synthetic trace), info (summary)"
 
@@ -25,7 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner.stats import count_routing
     from ..planner.trace import load_trace, save_trace
     from ..sim.synth import gini, synth_trace
     from .paths import check_output_file
@@ -43,7 +46,18 @@ def run(args: argparse.Namespace) -> int:
           f"num_experts={trace.num_experts} source_rank={'yes' if trace.source_rank_T is not None else 'no'} "
           f"weights={'yes' if trace.weights_LTK is not None else 'no'}")
     for layer in range(trace.num_layers):
-        load_E, _ = count_routing(trace.experts_LTK[layer], trace.num_experts)
-        print(f"layer {layer}: load gini {gini(load_E):.3f}, unused experts {int((load_E == 0).sum())}, "
-              f"dropped ids {int((trace.experts_LTK[layer] < 0).sum())}")
+        used, load = used_expert_loads(trace.experts_LTK[layer])
+        print(f"layer {layer}: load gini {gini(load, size=trace.num_experts):.3f}, unused experts "
+              f"{trace.num_experts - used.size}, dropped ids {int((trace.experts_LTK[layer] < 0).sum())}")
     return 0
+
+
+def used_expert_loads(topk_ids_TK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(experts, tokens)`: the experts that tokens chose and how many tokens chose each (a token listing an expert
+    twice counts once), without an `[E]` or `[E, E]` array (E may be far larger than the experts used)."""
+    import numpy as np
+
+    ids = np.sort(np.asarray(topk_ids_TK), axis=1)
+    repeat = np.zeros(ids.shape, dtype=bool)
+    repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    return np.unique(ids[(ids >= 0) & ~repeat], return_counts=True)

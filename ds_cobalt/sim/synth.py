@@ -18,10 +18,13 @@ from ..planner.trace import Trace
 __all__ = ["synth_trace", "gini", "popularity_for_gini"]
 
 
-def gini(x_E: np.ndarray) -> float:
-    """Gini coefficient of a non-negative vector (0 = uniform, -> 1 = all mass on one entry)."""
+def gini(x_E: np.ndarray, size: int | None = None) -> float:
+    """Gini coefficient of a non-negative vector (0 = uniform, -> 1 = all mass on one entry). `size`: the vector's
+    length where `x_E` lists only some of its entries (the others 0)."""
     x = np.sort(np.asarray(x_E, dtype=np.float64))
-    n = x.size
+    n = x.size if size is None else int(size)
+    if n < x.size:
+        raise ValueError(f"gini: size={size} is below the {x.size} entries given")
     if n == 0 or x.sum() <= 0:
         return 0.0
     cum = np.cumsum(x)

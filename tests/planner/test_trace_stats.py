@@ -128,6 +128,8 @@ def test_synth_controls():
     lf, _ = count_routing(flat.experts_LTK[0], 32)
     ls, _ = count_routing(skew.experts_LTK[0], 32)
     assert gini(lf) < 0.1 < 0.4 < gini(ls)
+    used = ls[ls > 0]
+    assert gini(used, size=32 + 100) == pytest.approx(gini(np.concatenate([ls, np.zeros(100)])))  # the rest zeros
     for tr in (flat, skew):
         row_sets = topk_sets(tr.experts_LTK[0])
         assert (row_sets >= 0).all()  # K distinct experts per token

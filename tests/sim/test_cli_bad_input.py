@@ -181,3 +181,12 @@ def test_plan_prices_traffic_copies_with_the_model_sizes(tmp_path, capsys):
     assert "--tokens-per-step must be >= 1, got 0" in _error(
         capsys, [*base, "--expert-params", "5", "--hidden-bytes", "8", "--tokens-per-step", "0", "--out", str(out)])
     assert not out.exists()
+
+
+def test_trace_info_of_a_trace_with_far_more_experts_than_used(tmp_path, capsys):
+    # no [E] or [E, E] array: 2**41 experts, 4 tokens (the repeated 5 counts once, -1 is dropped)
+    path = tmp_path / "huge.npz"
+    np.savez(path, experts=np.array([[[0, 1], [1, 2], [5, 5], [-1, 3]]]), num_experts=np.int64(2**41))
+    assert main(["trace", "info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"unused experts {2**41 - 5}, dropped ids 1" in out and "load gini 1.000" in out
