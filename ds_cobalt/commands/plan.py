@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="also write a plot of the layout (png)")
     price = parser.add_argument_group(
-        "traffic copies' price (all three, or none: copies free), as the runtime's re-plans price them")
+        "traffic copies' price (all three, or none: copies free), as the runtime's re-plans price them: counted as "
+        "the busiest inter-node link carries them, with a NIC per GPU")
     price.add_argument("--expert-params", type=int, default=None, help="parameters per expert (bf16 weights)")
     price.add_argument("--hidden-bytes", type=int, default=None,
                        help="bytes of one token's hidden state on the wire (e.g. 8192: 4096 x bf16)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .assign import assign_tasks, remote_nodes_per_token
-from .layout import Layout, canonical_owner_order, cross_node_copies, owner_rank_of
+from .layout import Layout, canonical_owner_order, copy_link_load, owner_rank_of
 from .migration import LinkModel, copy_cost_per_token, migration_bytes, migration_worth_it
 from .owner_moves import align_owner_slots
 from .policies import LayerInput, plan_layer, replicas_for_owners
@@ -100,8 +100,9 @@ def plan_layer_decision(stats: LayerStats, current_WS: np.ndarray, *, nodes: int
     old = cross_node_per_token(stats.samples_TK, stats.source_rank_T, current_WS, gpus_per_node)
     new = cross_node_per_token(stats.samples_TK, stats.source_rank_T, slots, gpus_per_node)
     moved = int((owner_rank_of(current_WS, E) != owner_rank_of(slots, E)).sum())
-    # the migration's saving counts the change in traffic copies too (their weights cross every step)
-    copies = [int(cross_node_copies(w, E, gpus_per_node).sum()) for w in (current_WS, slots)]
+    # the migration's saving counts the change in traffic copies too (their weights cross every step), priced as
+    # the busiest link carries them
+    copies = [copy_link_load(w, E, gpus_per_node) for w in (current_WS, slots)]
     new_priced = new + copy_cost * (copies[1] - copies[0])
     saved_bytes, cost_bytes = migration_bytes(moved, old, new_priced, tokens_per_step, interval, link)
     saving_s = (saved_bytes - cost_bytes) / link.bytes_per_s
@@ -139,10 +140,11 @@ def confirm_on_newer_routing(action: int, slots_WS: np.ndarray, current_WS: np.n
     A plan fits the step it was sampled from; early in training the routing moves within a few steps, and a
     layout that fitted it can be worse than the current one on the steps that follow. A replica-only change moves
     no owner and stands where it is no worse on the newer rows (mean remote nodes per token), the traffic copies it
-    adds priced as in planning (`copy_cost_per_token` each: their weights cross every step, whether or not the
-    tokens they were planned for still come; with an E=32 top-4 AutoEP model at 100 Mbit/s here, re-plans whose
-    copies were judged on token counts alone cut cross-node token rows by 0.7 % and added 19 % cross-node bytes, 1.46x
-    plain AutoEP's step against 1.75x without re-planning). A migration stands
+    adds priced as in planning (`copy_cost_per_token` each, counted as the busiest link carries them,
+    `layout.copy_link_load`: their weights cross every step, whether or not the tokens they were planned for still
+    come; with an E=32 top-4 AutoEP model at 100 Mbit/s here, re-plans whose copies were judged on token counts alone
+    cut cross-node token rows by 0.7 % and added 19 % cross-node bytes, 1.46x plain AutoEP's step against 1.75x
+    without re-planning). A migration stands
     where the cost model still says it pays with the per-token gain at its lower bound (paired over the same
     rows). KEEP, and a check without rows, leave the action as it is."""
     if action == KEEP or old_T.size == 0:
@@ -151,8 +153,8 @@ def confirm_on_newer_routing(action: int, slots_WS: np.ndarray, current_WS: np.n
     gain_low = float(gain_T.mean() - CONFIRM_STANDARD_ERRORS * gain_T.std() / np.sqrt(gain_T.size))
     old, new = float(np.mean(old_T)), float(np.mean(new_T))
     if action == REPLICAS:
-        added = sum(int(cross_node_copies(w, num_experts, gpus_per_node).sum()) * sign
-                    for w, sign in ((slots_WS, 1), (current_WS, -1)))
+        added = (copy_link_load(slots_WS, num_experts, gpus_per_node)
+                 - copy_link_load(current_WS, num_experts, gpus_per_node))
         holds = new + copy_cost_per_token(link, tokens_per_step) * added <= old
     else:
         E = num_experts

@@ -108,6 +108,34 @@ def cross_node_copies(slots_WS: np.ndarray, num_experts: int, gpus_per_node: int
     return copies
 
 
+def copy_link_load(slots_WS: np.ndarray, num_experts: int, gpus_per_node: int,
+                   gpu_link_share: float | None = None) -> float:
+    """One layer's traffic copies as its busiest inter-node link carries them, counted in copies of an even layout:
+    N x max(the most copies a node sends or receives, the most a GPU does / `gpu_link_share`), where
+    `gpu_link_share` is the part of its node's inter-node bandwidth one GPU can use alone (default 1/G: a NIC per
+    GPU, as the runtime's probed model and the GPU presets have it; 1: one link the node's GPUs share). Where every
+    GPU sends and receives at most one copy this is the number of copies; where one owner's expert is copied to
+    many nodes it sends them all, one after another (the weights in forward, their gradients back in backward), and
+    that owner's link sets the time (`sim.cluster.replica_fetch` prices them so)."""
+    slots_WS = np.asarray(slots_WS)
+    W = slots_WS.shape[0]
+    N = W // gpus_per_node
+    copies = cross_node_copies(slots_WS, num_experts, gpus_per_node)
+    if not copies.any():
+        return 0.0
+    holder_W = np.nonzero(copies)[0]
+    sender_W = owner_rank_of(slots_WS, num_experts)[slots_WS[copies]]
+    share = 1.0 / gpus_per_node if gpu_link_share is None else float(gpu_link_share)
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"gpu_link_share must be in (0, 1], got {gpu_link_share!r}")
+    busiest = 0.0
+    for ranks in (sender_W, holder_W):
+        per_gpu = np.bincount(ranks, minlength=W)
+        per_node = per_gpu.reshape(N, gpus_per_node).sum(1)
+        busiest = max(busiest, float(per_node.max()), per_gpu.max() / share)
+    return float(N * busiest)
+
+
 def validate_layout(layout: Layout) -> None:
     """Raise ValueError naming what is wrong with a layout."""
     slots = layout.slots_LWS

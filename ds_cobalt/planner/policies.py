@@ -17,7 +17,7 @@ import numpy as np
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
 from .joint import refine_joint, swap_owners
-from .layout import Layout, canonical_owner_order, cross_node_copies
+from .layout import Layout, canonical_owner_order, copy_link_load
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, _traffic_order_sets
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
@@ -44,6 +44,9 @@ class LayerInput:
     # tokens per token: its weights cross in forward and its gradients in backward (`migration.copy_cost_per_token`);
     # 0: free, i.e. candidates are scored on token traffic alone
     copy_cost: float = 0.0
+    # the part of its node's inter-node bandwidth one GPU can use alone (`layout.copy_link_load`; None: 1/G, a NIC
+    # per GPU): copies are priced as the busiest link carries them, so one owner copied to many nodes costs more
+    copy_gpu_link_share: float | None = None
     # stage 1's seeds (`plan_nodes`' `partitioner`) for the partition without everywhere-copies; the others use "fast"
     partitioner: str = "auto"
 
@@ -102,7 +105,8 @@ def _evaluate_loads(inp: LayerInput, slots_WS: np.ndarray) -> tuple[float, float
     balance = float(load_W.max() / load_W.mean()) if load_W.sum() else 1.0
     traffic = float(remote_nodes_per_token(dest, inp.source_rank_T, inp.gpus_per_node).mean())
     if inp.copy_cost:
-        traffic += inp.copy_cost * int(cross_node_copies(slots_WS, inp.stats.num_experts, inp.gpus_per_node).sum())
+        traffic += inp.copy_cost * copy_link_load(slots_WS, inp.stats.num_experts, inp.gpus_per_node,
+                                                  inp.copy_gpu_link_share)
     return traffic, balance, load_W
 
 
@@ -383,10 +387,12 @@ def plan_layout(
     max_sample_tokens: int = 32768,
     seed: int = 0,
     copy_cost: float = 0.0,
+    copy_gpu_link_share: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Layout:
     """A layout for every layer of `trace` (statistics from all its tokens). `copy_cost`: what one cross-node
-    traffic copy costs per step in cross-node tokens per token (`migration.copy_cost_per_token`; 0: free)."""
+    traffic copy costs per step in cross-node tokens per token (`migration.copy_cost_per_token`; 0: free), priced
+    as the busiest inter-node link carries the copies (`layout.copy_link_load` with `copy_gpu_link_share`)."""
     E = trace.num_experts
     check_topology(E, nodes, gpus_per_node, redundant_slots)
     if policy not in POLICIES:
@@ -412,6 +418,7 @@ def plan_layout(
             current_slots_WS=None if current is None else current.layer(min(layer, current.num_layers - 1)),
             seed=seed,
             copy_cost=copy_cost,
+            copy_gpu_link_share=copy_gpu_link_share,
         )
         out.append(plan_layer(policy, inp))
         if progress is not None:

@@ -405,8 +405,10 @@ def predict_synthetic(shape: ModelShape, hw: Hardware, gpus: int, *, redundant_s
     link = LinkModel(expert_params=shape.ffn_matrices * shape.hidden * shape.ffn,
                      weight_bytes_per_param=shape.dtype_bytes, token_bytes=shape.row_bytes)
     copy_cost = copy_cost_per_token(link, ep * shape.tokens_per_gpu)
+    # the part of a node's inter-node bandwidth one GPU can use alone, as `_transfer_time` prices it
+    gpu_link_share = min(1.0, max(1.0 / G, hw.inter_node_bw_gpu / hw.inter_node_bw_node))
     cobalt = plan_layout(Trace(plan_on.experts_LTK, E), N, G, redundant_slots if G > 1 or N > 1 else 0, "cobalt",
-                         seed=seed, copy_cost=copy_cost)
+                         seed=seed, copy_cost=copy_cost, copy_gpu_link_share=gpu_link_share)
     scale = shape.tokens_per_gpu / sample_tokens_per_gpu
     # Rows (padded capacity included) grow linearly with tokens; latency and overheads do not.
     pred = predict_step_times(score_on, cobalt, hw, shape, capacity_factor=capacity_factor,

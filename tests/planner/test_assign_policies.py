@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ds_cobalt.planner.assign import assign_tasks, remote_nodes_per_token
-from ds_cobalt.planner.layout import Layout, contiguous_layout, cross_node_copies, layout_from_dict
+from ds_cobalt.planner.layout import Layout, contiguous_layout, copy_link_load, cross_node_copies, layout_from_dict
 from ds_cobalt.planner.migration import LinkModel, migration_worth_it
 from ds_cobalt.planner.policies import POLICIES, plan_layout
 from ds_cobalt.planner.stage1 import plan_nodes, relabel_to_current
@@ -155,6 +155,37 @@ def test_plan_layout_prices_traffic_copies():
         return int(cross_node_copies(plan_layout(trace, 4, 2, 1, "cobalt", copy_cost=cost).layer(0), 16, 2).sum())
 
     assert copies(0.0) > 0 and copies(10.0) == 0
+
+
+def test_copy_link_load_prices_copies_as_the_busiest_link_carries_them():
+    """Copies spread one per GPU count once each; one owner's expert copied to every other node is priced by that
+    owner's link, which sends them one after another; with one link per node only the nodes' sums count."""
+    E, G = 8, 2  # 2 nodes x 2 GPUs, two owner slots and one spare slot each
+    spread = np.array([[0, 1, 4], [2, 3, 6], [4, 5, 0], [6, 7, 2]])  # each GPU sends one copy and holds one
+    assert cross_node_copies(spread, E, G).sum() == 4 and copy_link_load(spread, E, G) == 4.0
+    one_owner = np.array([[0, 1, 4], [2, 3, 4], [4, 5, -1], [6, 7, -1]])  # rank 2 sends expert 4 twice
+    assert cross_node_copies(one_owner, E, G).sum() == 2
+    assert copy_link_load(one_owner, E, G) == 8.0  # W x 2: a NIC per GPU
+    assert copy_link_load(one_owner, E, G, gpu_link_share=1.0) == 4.0  # N x 2: the node's link
+    assert copy_link_load(np.array([[0, 1, 2], [2, 3, 3], [4, 5, 6], [6, 7, -1]]), E, G) == 0.0  # same-node copies
+    with pytest.raises(ValueError, match="gpu_link_share"):
+        copy_link_load(spread, E, G, gpu_link_share=0.0)
+
+
+def test_plan_prices_one_owners_copies_by_its_link():
+    """Hot experts copied to every node (8 nodes): counted one by one the copies pay for themselves; priced by
+    the owner's link, which sends each of them 7 times, they do not, and the plan keeps none. With one link per
+    node (`copy_gpu_link_share=1`) they cost G = 2 times less and stay at a smaller price."""
+    trace = synth_trace(num_experts=64, top_k=4, num_tokens=8000, gini=0.5, clustering=0.6, seed=1)
+
+    def copies(cost: float, share: float | None) -> tuple[int, float]:
+        slots = plan_layout(trace, 8, 2, 1, "cobalt", copy_cost=cost, copy_gpu_link_share=share).layer(0)
+        return int(cross_node_copies(slots, 64, 2).sum()), copy_link_load(slots, 64, 2)
+
+    free_count, free_load = copies(0.0, None)
+    assert free_count > 0 and free_load > 2 * free_count  # the free plan's copies crowd onto a few owners
+    assert copies(0.01, None)[0] == 0
+    assert copies(0.01, 1.0)[0] > 0
 
 
 def test_bad_topology_and_layout():

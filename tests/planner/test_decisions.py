@@ -186,6 +186,29 @@ def test_replica_change_is_confirmed_only_where_its_traffic_copies_pay() -> None
     assert confirm(10 ** 6) == KEEP  # ~3.9: more than the tenth it saves
 
 
+def test_copies_from_one_owner_are_priced_by_its_link() -> None:
+    """Expert 0 (rank 0) copied to both ranks of node 1: its owner sends both copies one after another, so the
+    change is priced as the busiest link carries it (W x 2 copies with a NIC per GPU), not as two copies on
+    links of their own. At 6400 parameters two copies would cost 0.05 cross-node tokens per token against the 0.1
+    they save; on rank 0's link they cost 0.2."""
+    current = np.concatenate([np.arange(E).reshape(4, 2), np.full((4, 1), -1)], axis=1)
+    copied = current.copy()
+    copied[2, 2] = copied[3, 2] = 0
+    topk = np.tile([4, 5], (4000, 1))
+    topk[::10, 0] = 0  # a tenth of node 1's tokens also choose expert 0
+    source = np.repeat([2, 3], 2000)
+    old_T, new_T = (remote_nodes_of(topk, source, layout, 2) for layout in (current, copied))
+    assert abs(old_T.mean() - 0.1) < 1e-12 and new_T.mean() == 0.0
+
+    def confirm(expert_params: int) -> int:
+        return confirm_on_newer_routing(REPLICAS, copied, current, old_T, new_T, num_experts=E,
+                                        link=LinkModel(expert_params=expert_params, token_bytes=64), interval=100,
+                                        tokens_per_step=4000.0, gpus_per_node=2).action
+
+    assert confirm(1600) == REPLICAS  # 0.05 on rank 0's link
+    assert confirm(6400) == KEEP
+
+
 def test_replan_seeds_stage1_without_kahypar(monkeypatch) -> None:
     """A re-plan (`plan_layer_decision`) seeds stage 1 with `plan_nodes`' "fast" seeds; offline planning
     (`plan_layout`) still runs Mt-KaHyPar where it is installed."""
