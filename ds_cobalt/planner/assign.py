@@ -11,8 +11,10 @@ agree with it exactly). For each token it
 4. covers the rest with as few new nodes as possible (greedy set cover, then an exact search for the
    rare tokens where greedy needs 3 or more new nodes), so the number of distinct remote nodes per
    token is minimal for the layout's node coverage;
-5. inside the chosen node, splits the tokens of a replicated expert among its replicas so that GPU
-   loads (number of (token, expert) pairs per rank, exact for this batch) are as even as possible.
+5. inside the chosen node, splits the tokens of a replicated expert among its replicas to even out GPU
+   loads (number of (token, expert) pairs per rank, exact for this batch): groups largest first, each
+   water-filled over its replicas' ranks given the load placed so far (a greedy fill, not an optimum: a
+   later group can leave a rank above what moving an earlier group's tokens would reach).
 """
 
 from __future__ import annotations

@@ -202,6 +202,18 @@ def canonical_owner_order(layout: Layout) -> Layout:
     return Layout(E, layout.nodes, layout.gpus_per_node, out)
 
 
+def owners_first(layout: Layout) -> Layout:
+    """`layout` where the first E/W slots of every rank already hold every expert once per layer (the convention
+    the planner, the simulator's replica pricing and the runtime read owners from), else `canonical_owner_order`
+    of it: a layout written by hand may hold its experts in any slot order (DESIGN.md). ValueError where no owner
+    choice exists."""
+    E, W = layout.num_experts, layout.world_size
+    owners_LX = layout.slots_LWS[:, :, : E // W].reshape(layout.num_layers, -1)
+    if all(np.array_equal(np.sort(owners), np.arange(E)) for owners in owners_LX):
+        return layout
+    return canonical_owner_order(layout)
+
+
 def _match_owners(slots_WS: np.ndarray, E: int, per_rank: int, layer: int) -> np.ndarray:
     """Augmenting-path matching of experts to ranks with capacity per_rank each."""
     holders = [np.unique(np.nonzero(slots_WS == e)[0]).tolist() for e in range(E)]
@@ -236,9 +248,11 @@ def _match_owners(slots_WS: np.ndarray, E: int, per_rank: int, layer: int) -> np
 
 def load_layout(path: str | Path) -> Layout:
     """Read a layout-v1 JSON file; errors name the bad field."""
+    if not Path(path).is_file():
+        raise ValueError(f"layout {path}: no such file")
     try:
         data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"layout {path}: not valid JSON ({err})") from err
     return layout_from_dict(data, source=str(path))
 

@@ -17,7 +17,7 @@ import numpy as np
 from .assign import assign_tasks, remote_nodes_per_token
 from .eplb import eplb_layer
 from .joint import refine_joint, swap_owners
-from .layout import Layout, canonical_owner_order, copy_link_load
+from .layout import Layout, canonical_owner_order, copy_link_load, owners_first
 from .objective import PartitionState
 from .replicas import ReplicaPartitionState, _traffic_order_sets
 from .stage1 import greedy_coact_partition, plan_nodes, refine_swaps
@@ -401,6 +401,7 @@ def plan_layout(
         raise ValueError(f"max_sample_tokens must be >= 1, got {max_sample_tokens}")
     if current is not None:
         _check_current(current, trace, nodes, gpus_per_node)
+        current = owners_first(current)
     W = nodes * gpus_per_node
     src_T = trace.source_ranks(W)
     T = trace.num_tokens

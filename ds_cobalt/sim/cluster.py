@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..planner.assign import assign_tasks
-from ..planner.layout import Layout, owner_rank_of
+from ..planner.layout import Layout, owner_rank_of, owners_first
 from ..planner.trace import Trace
 from .hardware import Hardware, ModelShape
 
@@ -322,6 +322,7 @@ def predict_step_times(
     E, N, G = layout.num_experts, layout.nodes, layout.gpus_per_node
     if trace.num_experts != E:
         raise ValueError(f"trace has num_experts={trace.num_experts} but the layout has {E}")
+    layout = owners_first(layout)  # replica pricing reads the owners from the first E / W slots
     W = N * G
     T = trace.num_tokens
     step_tokens = T if not step_tokens else int(step_tokens)

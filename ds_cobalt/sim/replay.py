@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..planner.assign import assign_tasks
-from ..planner.layout import Layout, canonical_owner_order, cross_node_copies, owner_rank_of
+from ..planner.layout import Layout, canonical_owner_order, cross_node_copies, owner_rank_of, owners_first
 from ..planner.migration import LinkModel, migration_worth_it, moved_experts
 from ..planner.policies import LayerInput, cobalt_policy
 from ..planner.stage2 import max_over_mean, refill_layout, refill_node
@@ -62,6 +62,7 @@ def replay(
     """Replay `trace` in `steps` steps starting from `layout`; metrics per layer (mean over steps), and the
     medians over every (layer, step) of the GPU and node load max/mean (`step_*_load_max_over_mean_median`)."""
     check_compatible(trace, layout)
+    layout = owners_first(layout)
     if steps < 1 or replan_interval < 1:
         raise ValueError(f"steps and replan_interval must be >= 1, got {steps} and {replan_interval}")
     if stage2 not in STAGE2_MODES:

@@ -190,3 +190,41 @@ def test_trace_info_of_a_trace_with_far_more_experts_than_used(tmp_path, capsys)
     assert main(["trace", "info", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"unused experts {2**41 - 5}, dropped ids 1" in out and "load gini 1.000" in out
+
+
+def test_hand_written_layouts_in_any_slot_order(tmp_path, capsys):
+    """DESIGN.md's layout holds its experts in any slot order: `plan --current`, `simulate --replay` and
+    `--hardware` read owners from the first E / W slots of each rank, so a layout whose owners come later (or
+    with an empty slot among them) is put in owner order first (`owners_first`); it used to crash inside the
+    compiled kernels (out-of-bounds reads, sometimes a segfault). A layout with no owner choice is an error."""
+    from ds_cobalt.planner.layout import Layout, canonical_owner_order, owners_first
+    from ds_cobalt.sim.cluster import predict_step_times
+    from ds_cobalt.sim.hardware import HARDWARE_PRESETS, ModelShape
+    from ds_cobalt.sim.replay import replay
+
+    trace = synth_trace(num_experts=8, top_k=2, num_tokens=800, seed=4)
+    save_trace(trace, tmp_path / "t.npz")
+    shapes = ([[7, 0, 1], [2, 3, -1], [4, 5, 7], [6, 7, 1]], [[-1, 0, 1], [2, 3, 4], [4, 5, 6], [6, 7, 0]],
+              [[0, 1, 7], [2, -1, 3], [4, 5, -1], [6, 7, -1]])
+    for slots in shapes:
+        layout = Layout(8, 2, 2, np.array([slots]))
+        canonical = canonical_owner_order(layout)
+        assert owners_first(layout) is not layout and owners_first(canonical) is canonical
+        planned = plan_layout(trace, 2, 2, 1, "cobalt", current=layout)
+        assert np.array_equal(planned.slots_LWS, plan_layout(trace, 2, 2, 1, "cobalt", current=canonical).slots_LWS)
+        assert replay(trace, layout, steps=4, replan_interval=2) == replay(trace, canonical, steps=4,
+                                                                            replan_interval=2)
+        shape = ModelShape(name="tiny", num_experts=8, top_k=2, hidden=64, ffn=128, moe_layers=1)
+        pred = predict_step_times(trace, layout, HARDWARE_PRESETS["B200"], shape)
+        assert pred == predict_step_times(trace, canonical, HARDWARE_PRESETS["B200"], shape)
+        save_layout(layout, tmp_path / "cur.json")
+        assert main(["plan", "--trace", str(tmp_path / "t.npz"), "--nodes", "2", "--gpus-per-node", "2",
+                     "--redundant-slots", "1", "--current", str(tmp_path / "cur.json"),
+                     "--out", str(tmp_path / "out.json")]) == 0
+    # rank 2 alone holds 5, 6 and 7, but owns two experts
+    save_layout(Layout(8, 2, 2, np.array([[[0, 0, 1], [2, 3, 4], [5, 6, 7], [1, 2, -1]]])), tmp_path / "cur.json")
+    assert "no owner assignment" in _error(capsys, [
+        "plan", "--trace", str(tmp_path / "t.npz"), "--nodes", "2", "--gpus-per-node", "2", "--redundant-slots", "1",
+        "--current", str(tmp_path / "cur.json"), "--out", str(tmp_path / "out.json")])
+    assert "no such file" in _error(capsys, ["simulate", "--trace", str(tmp_path / "t.npz"),
+                                             "--layout", str(tmp_path / "missing.json")])
