@@ -15,7 +15,7 @@ SECTION = "cobalt"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class TopologyConfig(_Section):
@@ -87,10 +87,10 @@ class PlannerConfig(_Section):
     policy: str = "cobalt"
     redundant_slots: int = Field(default=1, ge=0)
     apply_lag: int | None = Field(default=None, ge=0)
-    sample_tokens: int = Field(default=1024, ge=0)
+    sample_tokens: int = Field(default=1024, ge=1)
     seed: int = 0
     worker: Literal["process", "thread"] = "process"
-    plan_timeout_s: float = Field(default=300.0, gt=0)
+    plan_timeout_s: float = Field(default=300.0, gt=0, le=7 * 86400)
     stage2: Literal["auto", "step", "interval"] = "auto"
     early_replans: bool = True
     plan_before_trials: bool = True

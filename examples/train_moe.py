@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     schedules = [row["schedule"] for row in decisions]
     if recorder is not None:
         recorder.save(args.trace_out)
+    if hasattr(engine, "save_cobalt_trace"):  # `cobalt.trace` still recording: write the steps so far
+        engine.save_cobalt_trace()
     per_step = tracker.gather() if tracker is not None else None
     cobalt_did = summarize(per_step, engine) if per_step is not None else None
 

@@ -28,7 +28,7 @@ from .migration import flush_pending
 from .replan import Replanner
 from .replan_state import latest_tag_directory, load_replan_state, save_replan_state, tag_directory
 from .schedule_gate import ScheduleGate
-from .trace import save_trace, start_trace, stop_trace
+from .trace import TraceRecorder
 
 StepHook = Callable[["CobaltEngine"], None]
 
@@ -66,8 +66,18 @@ class CobaltEngine(DeepSpeedEngine):
                 close()
 
     def destroy(self) -> None:
+        """DeepSpeed's `destroy`, after `save_cobalt_trace` (collective where `cobalt.trace` is still recording)
+        and stopping the replanner's worker."""
+        self.save_cobalt_trace()
         self._close_hooks()
         super().destroy()
+
+    def save_cobalt_trace(self) -> None:
+        """Collective: where `cobalt.trace`'s window is still open (the run ends inside it), write the steps it
+        recorded so far, and say so; nothing where it was written already or no trace is configured."""
+        for hook in getattr(self, "cobalt_step_hooks", []):
+            if isinstance(hook, TraceRecorder):
+                hook.finish(self)
 
     # ----- step --------------------------------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -89,7 +99,7 @@ class CobaltEngine(DeepSpeedEngine):
         if cobalt.traffic.log_interval:
             hooks.append(functools.partial(_log_traffic, interval=cobalt.traffic.log_interval))
         if cobalt.trace.path:
-            hooks.append(_trace_hook(self, cobalt))
+            hooks.append(TraceRecorder(self, cobalt.trace.path, cobalt.trace.start_step, cobalt.trace.steps))
         if cobalt.transport.schedule == "auto":  # before the replanner: its plans follow the first choices
             hooks.append(ScheduleGate())
         if cobalt.planner.replan_interval:
@@ -141,33 +151,16 @@ def _cobalt_class(base: type) -> type:
     return type(f"Cobalt{base.__name__}", (CobaltEngine, base), {"__module__": __name__})
 
 
-def _trace_hook(engine: CobaltEngine, cobalt: CobaltConfig) -> StepHook:
-    first, last = cobalt.trace.start_step, cobalt.trace.start_step + cobalt.trace.steps
-    path = cobalt.trace.path
-    if first == 0:
-        start_trace(engine)
-
-    def trace_hook(engine: CobaltEngine) -> None:
-        if engine.global_steps == first:
-            start_trace(engine)
-        elif engine.global_steps == last:
-            save_trace(engine, path)
-            stop_trace(engine)
-            if engine.global_rank == 0:
-                logger.info(f"ds_cobalt: wrote the routing of steps [{first}, {last}) to {path}")
-
-    return trace_hook
-
-
 def _log_traffic(engine: CobaltEngine, interval: int) -> None:
     if engine.global_steps % interval or engine.global_rank != 0:
         return
     totals = traffic_summary(engine)
     # AutoEP layers pad nothing: compare with the dropless all-to-all there.
     kind = "padded" if totals["deepspeed_inter_node_bytes_padded"] else "dropless"
-    ratio = totals["inter_node_bytes"] / max(1, totals[f"deepspeed_inter_node_bytes_{kind}"])
+    baseline = totals[f"deepspeed_inter_node_bytes_{kind}"]
+    ratio = f"{totals['inter_node_bytes'] / baseline:.3f}x" if baseline else "no bytes in"  # one node: none cross
     logger.info(f"ds_cobalt step {engine.global_steps}: inter-node {totals['inter_node_bytes']} B "
-                f"({ratio:.3f}x DeepSpeed's {kind} all-to-all), intra-node {totals['intra_node_bytes']} B")
+                f"({ratio} DeepSpeed's {kind} all-to-all), intra-node {totals['intra_node_bytes']} B")
 
 
 class MonitorHook:

@@ -111,6 +111,12 @@ class CobaltCallback(TrainerCallback):
             self._hooked_engine = id(engine)
         peer_watch.install()  # every rank runs on_train_begin: a failing rank names the peer that died first
 
+    def on_train_end(self, args, state, control, **kwargs: Any) -> None:
+        """Every rank: where `cobalt.trace`'s window is still open, write the steps it recorded (collective)."""
+        engine = self._engine()
+        if isinstance(engine, CobaltEngine):
+            engine.save_cobalt_trace()
+
     def on_log(self, args, state, control, logs=None, model=None, **kwargs: Any) -> None:
         if logs is None or "loss" not in logs or model is None:  # only training logging steps (all ranks)
             return

@@ -2,7 +2,7 @@
 
 Each ds_cobalt layer keeps the top-k ids of its forwards while recording; `save_trace` gathers every
 rank's rows to rank 0 and writes `experts [L, T, K]`, `num_experts` and `source_rank [T]` (global ranks),
-tokens ordered by forward, then rank.
+tokens ordered by forward, then rank. `TraceRecorder` is the step hook of `cobalt.trace`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.utils import logger
 
 from ..planner.trace import Trace
 from ..planner.trace import save_trace as write_trace
@@ -61,3 +62,53 @@ def save_trace(model: torch.nn.Module, path: str | Path) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_trace(Trace(experts, layers[0].num_experts, source), path)
     return path
+
+
+class TraceRecorder:
+    """The step hook of `cobalt.trace`: records the routing of optimizer steps [`first`, `first + steps`) and
+    writes it after the last of them. A run that ends inside that window loses nothing: `finish` (called by
+    `CobaltEngine.destroy` and `save_cobalt_trace`, collective) writes the steps recorded so far and says so; one
+    that ends before `first` is told that nothing was recorded."""
+
+    def __init__(self, engine: torch.nn.Module, path: str | Path, first: int, steps: int) -> None:
+        self.path, self.first, self.last = Path(path), first, first + steps
+        self.done = False
+        if first == 0:
+            self._start(engine, 0)
+
+    def __call__(self, engine: torch.nn.Module) -> None:
+        step = engine.global_steps
+        if self.done:
+            return
+        if step == self.first:
+            self._start(engine, step)
+        elif step == self.last:
+            self._write(engine, f"wrote the routing of steps [{self.first}, {self.last}) to {self.path}")
+
+    def finish(self, engine: torch.nn.Module) -> None:
+        """Collective: where the window is still open, write what it recorded (or say that it recorded nothing)."""
+        if self.done:
+            return
+        step = engine.global_steps
+        if step <= self.first:
+            self.done = True
+            stop_trace(engine)
+            if engine.global_rank == 0:
+                logger.warning(f"ds_cobalt: cobalt.trace recorded nothing: the run ended after step {step}, before "
+                               f"trace.start_step={self.first}; {self.path} is not written")
+            return
+        self._write(engine, f"the run ended inside cobalt.trace's window: wrote the routing of steps "
+                            f"[{self.first}, {step}) of [{self.first}, {self.last}) to {self.path}", warn=True)
+
+    def _start(self, engine: torch.nn.Module, step: int) -> None:
+        start_trace(engine)
+        if engine.global_rank == 0:
+            logger.info(f"ds_cobalt: recording the routing of steps [{self.first}, {self.last}) for {self.path} "
+                        f"(from step {step})")
+
+    def _write(self, engine: torch.nn.Module, message: str, warn: bool = False) -> None:
+        self.done = True
+        save_trace(engine, self.path)
+        stop_trace(engine)
+        if engine.global_rank == 0:
+            (logger.warning if warn else logger.info)(f"ds_cobalt: {message}")

@@ -78,6 +78,10 @@ def check_topology(num_experts: int, nodes: int, gpus_per_node: int, redundant_s
         raise ValueError(
             f"nodes x gpus_per_node = {nodes} x {gpus_per_node} = {W} does not divide num_experts={num_experts}"
         )
+    if redundant_slots > num_experts - num_experts // W:
+        raise ValueError(f"redundant_slots={redundant_slots}: a rank holds at most num_experts - num_experts / W = "
+                         f"{num_experts - num_experts // W} experts besides its own (num_experts={num_experts}, "
+                         f"W={W})")
 
 
 def _current_nodes(inp: LayerInput, E: int) -> np.ndarray | None:

@@ -4,7 +4,7 @@ a plain `deepspeed.initialize` engine does not get."""
 from __future__ import annotations
 
 import pytest
-from test_migration import build_engine, random_owner_layout, train
+from test_migration import MICRO, build_engine, random_owner_layout, train
 
 
 def _engine_body(rank: int, world: int) -> dict:
@@ -958,3 +958,45 @@ def test_left_out_layers_retime_with_an_interval_replan_applied_beside_them() ->
         hook._start_s = {"planned_after_step": planned_after, "before_trials": False}
         hook._apply(types.SimpleNamespace(global_steps=planned_after + 5))
         assert calls == expected, planned_after
+
+
+def _trace_window_body(rank: int, world: int, out_dir: str) -> dict:
+    import logging
+
+    from deepspeed.utils import logger
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        inside = build_engine("cobalt", 0, ep_size=2, cobalt={
+            "topology": {"ranks_per_node": 1}, "planner": {"replan_interval": 0},
+            "trace": {"path": f"{out_dir}/inside.npz", "start_step": 1, "steps": 20}})
+        train(inside, range(3))
+        inside.destroy()  # steps 1 and 2 of [1, 21)
+        inside.save_cobalt_trace()  # written once
+        before = build_engine("cobalt", 0, ep_size=2, cobalt={
+            "topology": {"ranks_per_node": 1}, "planner": {"replan_interval": 0},
+            "trace": {"path": f"{out_dir}/before.npz", "start_step": 50}})
+        train(before, range(2))
+        before.save_cobalt_trace()
+    finally:
+        logger.removeHandler(handler)
+    return {"messages": messages}
+
+
+def test_a_run_ending_inside_the_trace_window_writes_what_it_recorded(run_ranks, tmp_path) -> None:
+    """`cobalt.trace` writes after its last step; a run that ends inside the window used to lose the steps it
+    recorded without a word. `destroy` (and `save_cobalt_trace`, the HF callback's train end) writes them and
+    says so; a run that ends before `trace.start_step` is told that nothing was recorded."""
+    from ds_cobalt.planner.trace import load_trace
+
+    results = run_ranks(_trace_window_body, 2, str(tmp_path), ranks_per_node=1, timeout=300)
+    trace = load_trace(tmp_path / "inside.npz")
+    assert trace.experts_LTK.shape[:2] == (2, 2 * 2 * MICRO)  # 2 layers, 2 steps x 2 ranks x a micro-batch
+    assert not (tmp_path / "before.npz").exists()
+    first = results[0]["messages"]
+    assert sum("wrote the routing of steps [1, 3) of [1, 21)" in m for m in first) == 1, first
+    assert any("recorded nothing" in m and "trace.start_step=50" in m for m in first), first
+    assert results[1]["messages"] == []  # rank 0 reports

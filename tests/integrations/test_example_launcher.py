@@ -147,11 +147,12 @@ def test_cobalt_counts_deepspeed_traffic_like_deepspeed(runs: Any) -> None:
     """ds_cobalt's model of DeepSpeed's all-to-all equals what DeepSpeed's layer moved for the same run."""
     ds, co = runs["deepspeed"]["traffic"], runs["cobalt"]["traffic"]
     assert co["deepspeed_inter_node_bytes_padded"] == ds["deepspeed_inter_node_bytes_padded"], (ds, co)
-    # the example counts every top-k choice (exp_counts, before capacity drops); a count after drops is lower
-    assert 0 < co["deepspeed_inter_node_bytes_dropless"] <= ds["deepspeed_inter_node_bytes_dropless"], (
-        ds,
-        co,
-    )
+    # both count one row per (token, remote expert) after capacity drops (the example's DeepSpeed meter from the
+    # gate's dispatch mask; it counted before drops, 9 % more here, until 2026-12-07); the same routing up to a
+    # near-tied choice that the implementations' summation order may flip in a later step
+    assert co["deepspeed_inter_node_bytes_dropless"] > 0
+    assert math.isclose(co["deepspeed_inter_node_bytes_dropless"], ds["deepspeed_inter_node_bytes_dropless"],
+                        rel_tol=2e-3), (ds, co)
 
 
 if __name__ == "__main__":

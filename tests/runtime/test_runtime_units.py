@@ -112,6 +112,12 @@ def test_topology_detection_and_errors() -> None:
     ({"traffic": {"log_interval": -1}}, r"cobalt\.traffic\.log_interval"),
     ({"trace": {"steps": 0}}, r"cobalt\.trace\.steps"),
     ([1], r"cobalt: expected an object"),
+    # a wait past threading.TIMEOUT_MAX failed the re-plan at its apply step (OverflowError); NaN and inf are not
+    # times or link rates; a plan from no rows would move owners on nothing
+    ({"planner": {"plan_timeout_s": 1e10}}, r"cobalt\.planner\.plan_timeout_s: .*less than or equal to 604800"),
+    ({"topology": {"group_timeout_s": float("nan")}}, r"cobalt\.topology\.group_timeout_s: .*finite number"),
+    ({"migration": {"inter_node_gbps": float("inf")}}, r"cobalt\.migration\.inter_node_gbps: .*finite number"),
+    ({"planner": {"sample_tokens": 0}}, r"cobalt\.planner\.sample_tokens: .*greater than or equal to 1"),
 ])
 def test_bad_config_names_the_key(section, message: str) -> None:
     with pytest.raises(ValueError, match=message):
