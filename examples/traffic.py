@@ -53,8 +53,7 @@ class DeepSpeedTrafficMeter:
         self.demand_LE = [torch.zeros(layer.num_experts, dtype=torch.float64) for layer in self.layers]
         for layer in self.layers:
             layer.deepspeed_moe.experts.register_forward_pre_hook(self._make_hook(layer))
-            layer.deepspeed_moe.gate.register_forward_hook(self._make_kept_hook(layer))
-            layer.register_forward_hook(self._make_count_hook(layer))
+            layer.deepspeed_moe.gate.register_forward_hook(self._make_count_hook(layer))
 
     def _node(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -79,30 +78,25 @@ class DeepSpeedTrafficMeter:
 
         return hook
 
-    def _make_kept_hook(self, layer: nn.Module) -> Any:
+    def _make_count_hook(self, layer: nn.Module) -> Any:
         def hook(_mod: nn.Module, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
             E = layer.num_experts
             if len(output) == 4:  # (l_aux, combine_weights, dispatch_mask [S, E, C], exp_counts)
                 kept_E = output[2].sum(dim=(0, 2))
-            else:  # sparse routes: (l_aux, C, E, expert ids [k, S] with -1 where dropped, ...)
+            else:  # sparse routes: (l_aux, C, E, expert ids [k, S] with -1 where dropped, ..., exp_counts)
                 ids = output[3].reshape(-1).long()
                 kept_E = torch.bincount(ids[ids >= 0], minlength=E)
+            # exp_counts: [E] tokens of this rank choosing expert e (before drops)
+            kept_E, demand_E = torch.stack([kept_E.double(), output[-1].double()]).cpu()  # NOTE: host sync
             d = inputs[0].shape[-1]
             elsize = inputs[0].element_size()
             ranks = self._ep_ranks(layer)
             n_local = layer.num_local_experts
             owner_node = np.array([self._node(ranks[e // n_local]) for e in range(E)])
             remote = owner_node != self._node(self.rank)
-            rows = int(kept_E.cpu().numpy()[remote].sum())  # NOTE: host sync
+            rows = int(kept_E.numpy()[remote].sum())
             self.totals["deepspeed_inter_node_bytes_dropless"] += 2 * rows * d * elsize
-
-        return hook
-
-    def _make_count_hook(self, layer: nn.Module) -> Any:
-        def hook(_mod: nn.Module, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-            exp_counts = output[2]  # [E] tokens of this rank choosing expert e (before drops)
-            counts = torch.as_tensor(exp_counts).cpu()  # NOTE: host sync
-            self.demand_LE[self.layers.index(layer)] += counts.double()
+            self.demand_LE[self.layers.index(layer)] += demand_E
 
         return hook
 
