@@ -165,16 +165,16 @@ def test_confirm_on_newer_routing_keeps_the_layout_where_the_routing_moved_on() 
     assert confirm_on_newer_routing(MIGRATE, planned, current, none, none, **common).action == MIGRATE
 
 
-def test_replica_change_is_confirmed_only_where_its_traffic_copies_pay() -> None:
-    """A replica-only change that adds a traffic copy (expert 0 of node 0 held on node 1) stands on newer rows only
-    where the cross-node tokens it saves there outweigh the copy's weights crossing every step."""
+def _copy_confirmer(holders: list[int], source_T: np.ndarray):
+    """`confirm(expert_params)`: the action `confirm_on_newer_routing` leaves to a replica-only change that copies
+    expert 0 (owned by rank 0, node 0) onto `holders` (ranks of node 1), on newer rows from `source_T` of which a
+    tenth also choose expert 0 (0.1 cross-node tokens per token saved)."""
     current = np.concatenate([np.arange(E).reshape(4, 2), np.full((4, 1), -1)], axis=1)
     copied = current.copy()
-    copied[2, 2] = 0
-    topk = np.tile([4, 5], (4000, 1))
-    topk[:400, 0] = 0  # a tenth of node 1's tokens also choose expert 0
-    source = np.full(4000, 2)
-    old_T, new_T = (remote_nodes_of(topk, source, layout, 2) for layout in (current, copied))
+    copied[holders, 2] = 0
+    topk = np.tile([4, 5], (source_T.size, 1))
+    topk[::10, 0] = 0
+    old_T, new_T = (remote_nodes_of(topk, source_T, layout, 2) for layout in (current, copied))
     assert abs(old_T.mean() - 0.1) < 1e-12 and new_T.mean() == 0.0
 
     def confirm(expert_params: int) -> int:
@@ -182,8 +182,15 @@ def test_replica_change_is_confirmed_only_where_its_traffic_copies_pay() -> None
                                         link=LinkModel(expert_params=expert_params, token_bytes=64), interval=100,
                                         tokens_per_step=4000.0, gpus_per_node=2).action
 
-    assert confirm(100) == REPLICAS  # the copy costs ~0.0004 cross-node tokens per token
-    assert confirm(10 ** 6) == KEEP  # ~3.9: more than the tenth it saves
+    return confirm
+
+
+def test_replica_change_is_confirmed_only_where_its_traffic_copies_pay() -> None:
+    """A replica-only change that adds a traffic copy (expert 0 of node 0 held on node 1) stands on newer rows only
+    where the cross-node tokens it saves there outweigh the copy's weights crossing every step."""
+    confirm = _copy_confirmer([2], np.full(4000, 2))
+    assert confirm(100) == REPLICAS  # the copy costs ~0.0016 cross-node tokens per token (W x 1 copy)
+    assert confirm(10 ** 6) == KEEP  # ~15.6: more than the tenth it saves
 
 
 def test_copies_from_one_owner_are_priced_by_its_link() -> None:
@@ -191,20 +198,7 @@ def test_copies_from_one_owner_are_priced_by_its_link() -> None:
     change is priced as the busiest link carries it (W x 2 copies with a NIC per GPU), not as two copies on
     links of their own. At 6400 parameters two copies would cost 0.05 cross-node tokens per token against the 0.1
     they save; on rank 0's link they cost 0.2."""
-    current = np.concatenate([np.arange(E).reshape(4, 2), np.full((4, 1), -1)], axis=1)
-    copied = current.copy()
-    copied[2, 2] = copied[3, 2] = 0
-    topk = np.tile([4, 5], (4000, 1))
-    topk[::10, 0] = 0  # a tenth of node 1's tokens also choose expert 0
-    source = np.repeat([2, 3], 2000)
-    old_T, new_T = (remote_nodes_of(topk, source, layout, 2) for layout in (current, copied))
-    assert abs(old_T.mean() - 0.1) < 1e-12 and new_T.mean() == 0.0
-
-    def confirm(expert_params: int) -> int:
-        return confirm_on_newer_routing(REPLICAS, copied, current, old_T, new_T, num_experts=E,
-                                        link=LinkModel(expert_params=expert_params, token_bytes=64), interval=100,
-                                        tokens_per_step=4000.0, gpus_per_node=2).action
-
+    confirm = _copy_confirmer([2, 3], np.repeat([2, 3], 2000))
     assert confirm(1600) == REPLICAS  # 0.05 on rank 0's link
     assert confirm(6400) == KEEP
 
