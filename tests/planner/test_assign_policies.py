@@ -194,6 +194,10 @@ def test_bad_topology_and_layout():
         plan_layout(tr, 3, 2)
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         plan_layout(tr, 2, 2, policy="nope")
+    # 16 experts on 4 GPUs: a GPU owns 4 and can hold at most the other 12 as well
+    assert plan_layout(tr, 2, 2, 12, policy="load").slots_per_gpu == 16
+    with pytest.raises(ValueError, match="redundant_slots=13: a rank holds at most .* = 12 experts besides its own"):
+        plan_layout(tr, 2, 2, 13)
     good = contiguous_layout(16, 2, 2).to_json_dict()
     missing = dict(good, layers=[{"slots": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 0]]}])
     with pytest.raises(ValueError, match=r"missing expert\(s\) \[15\]"):
