@@ -32,6 +32,8 @@ from hf_trainer_mixtral import ByteWindows, add_model_arguments, model_config
 from moe_lm import load_corpus
 from traffic import summed_over_ranks
 
+from ds_cobalt.commands.arg_types import positive_int
+
 SCHEDULES = ("auto", "dense", "direct", "hierarchical")
 STATIC = "-static"
 NO_SPARE = "-nospare"  # "<schedule>-nospare": that schedule with planner.redundant_slots 0 (re-planning on)
@@ -44,7 +46,7 @@ def parse_args(argv: list[str] | None = None):
     p = job_parser(__doc__, default_config=str(REPO / "ds_config_templates" / "hf_autoep_cpu.json"))
     p.add_argument("--variants", nargs="+", default=["autoep", "auto"],
                    choices=["autoep", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, NO_SPARE))])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=positive_int, default=60)
     p.add_argument("--skip", type=int, default=12, help="warm-up steps left out of the medians (auto's trials)")
     add_model_arguments(p)
     p.add_argument("--json-out", "--metrics-out", dest="json_out", default=None)

@@ -22,12 +22,12 @@ Variants (same data, seed and initial weights; examples/train_moe.py):
   (opt-in) cobalt-placement-overlap-auto   (c) + `overlap.enabled: "auto"`: tuned tiles and rail chunks,
                         then overlapped or phased, whichever forward is faster
 One `benchmarks/cluster/run_cluster.sh` job per (model, rate, variant), one after the other (2 cores). Each writes
-`OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`; the default model, other models
-under `OUT/<model>/`). Prints, per rate, tokens/s and its ratio to (a) (steps after the first; also over the second
-half of the steps alone: the steady state after `auto`'s trials and the first plans, which a long job amortizes),
-cross-node bytes per step, expert-row load max/mean over ranks, the largest loss difference to (a) and each job's
-host steal time (`host.json`: the share of CPU time a shared VM's host
-gave to others while the job ran, which the spread between jobs follows); writes `OUT/summary.json`,
+`OUT/<rate>-<variant>/metrics.json` (+ `trace.npz`, `links.json`, `ds_config.json`, the example's
+`train_moe_report.png`; the default model, other models under `OUT/<model>/`). Prints, per rate, tokens/s and its
+ratio to (a) (steps after the first; also over the second half of the steps alone: the steady state after `auto`'s
+trials and the first plans, which a long job amortizes), cross-node bytes per step, expert-row load max/mean over
+ranks, the largest loss difference to (a) and each job's host steal time (`host.json`: the share of CPU time a shared
+VM's host gave to others while the job ran, which the spread between jobs follows); writes `OUT/summary.json`,
 `OUT/summary.md` and the plots of `ds-cobalt report OUT` (`OUT/report/index.html`: throughput and bytes per step,
 co-activation heatmaps).
 `ds-cobalt calibrate --compare OUT` compares the measured step-time ratios with the simulator.
@@ -46,6 +46,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from ds_cobalt.commands.arg_types import positive_int
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -215,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      "cobalt-placement-overlap"],
                    choices=list(VARIANTS))
     p.add_argument("--models", nargs="+", default=["default", "fine-grained"], choices=list(MODELS))
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--steps", type=positive_int, default=60)
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="runs of every variant per rate, in alternating order; the ratio is the median over repeats")
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--config", default="ds_config_templates/cpu_2nodes_x_2ranks.json")
@@ -258,7 +260,8 @@ def _run(args, base: dict, env: dict, out: Path, model: str, rate: str, variant:
         "bash", str(Path(args.repo) / "benchmarks/cluster/run_cluster.sh"), "--rate", rate, "--out", str(out),
         "--", "--deepspeed_config", str(config), "--moe-impl", VARIANTS[variant]["impl"],
         "--steps", str(args.steps), "--metrics-out", str(out / "metrics.json"),
-        "--trace-out", str(out / "trace.npz"), *MODELS[model], *args.extra,
+        "--trace-out", str(out / "trace.npz"), "--plot-out", str(out / "train_moe_report.png"), *MODELS[model],
+        *args.extra,
     ]
     print(f"[e2e] {model} {rate} {variant} -> {out}", flush=True)
     before = _host_cpu()

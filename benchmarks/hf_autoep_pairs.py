@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_cobalt.commands.arg_types import positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +53,7 @@ def run_job(out: Path, name: str, config: str, steps: int, extra: list[str], por
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=positive_int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--config", default=str(REPO / "ds_config_templates" / "hf_autoep_cpu.json"),
                     help="DeepSpeed JSON with 'expert_parallel' and a 'cobalt' section")

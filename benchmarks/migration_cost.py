@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from ds_cobalt.commands.arg_types import positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
@@ -90,7 +92,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--d-ff", type=int, default=256)
     p.add_argument("--stage", type=int, default=1, choices=[0, 1, 2])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     res = run_ranks(_body, 4, args.d_model, args.d_ff, args.stage, args.repeats, ranks_per_node=2, timeout=600)

@@ -42,6 +42,8 @@ from _job import (
     start_job,
 )
 
+from ds_cobalt.commands.arg_types import positive_int
+
 SCHEDULES = ("hierarchical", "direct", "dense", "auto")
 STATIC = "-static"  # a variant "<schedule>-static": that schedule with re-planning off (planner.replan_interval 0)
 INTERVAL = "-interval"  # "<schedule>-interval": that schedule with planner.stage2 "interval"
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = job_parser(__doc__)
     p.add_argument("--variants", nargs="+", default=["deepspeed", "hierarchical", "direct", "dense"],
                    choices=["deepspeed", *SCHEDULES, *(s + suffix for s in SCHEDULES for suffix in (STATIC, INTERVAL))])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     p.add_argument("--no-barrier", dest="barrier", action="store_false",
                    help="no barrier before a timed step, as `auto`'s trials time them: a variant's step is still the "
@@ -130,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
             if not args.barrier:
                 extra += (f"  from the last start {aligned_medians[v] * 1e3:.2f} ms"
                           f" (start skew {skew_medians[v] * 1e3:.2f} ms)")
-            print(f"  {v:>14}: {m * 1e3:8.2f} ms  {tokens / m:8.0f} tokens/s{extra}  {schedules.get(v, '')}"
+            kept = schedules.get(v, "")  # per layer; None: `auto` still timing that layer
+            kept = [("timing" if x is None else x) for x in kept] if isinstance(kept, list) else kept
+            print(f"  {v:>14}: {m * 1e3:8.2f} ms  {tokens / m:8.0f} tokens/s{extra}  {kept}"
                   f"  CPU {cpu_medians[v] * 1e3:.1f} ms/rank"
                   f"  (mean of all steps {means[v] * 1e3:.2f} ms)")
         for v, moves in migrations.items():

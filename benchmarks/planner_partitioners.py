@@ -11,6 +11,7 @@ when missing (`pip install pymetis==2025.2.2 kahip==3.25`).
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
 
@@ -74,6 +75,7 @@ def kahip_seed(coact_EE: np.ndarray, nodes: int) -> np.ndarray | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     print("| trace | seed | seed s | raw remote/token (plan) | refined (plan) | refined held-out tok/tok |")
     print("|---|---|---|---|---|---|")

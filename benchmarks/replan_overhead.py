@@ -37,13 +37,15 @@ from _job import (
     start_job,
 )
 
+from ds_cobalt.commands.arg_types import positive_int
+
 MODES = ("off", "process", "thread")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = job_parser(__doc__)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--steps", type=int, default=80, help="steps per mode after the warm-up")
+    p.add_argument("--steps", type=positive_int, default=80, help="steps per mode after the warm-up")
     p.add_argument("--warmup", type=int, default=20, help="steps before the first timed interval")
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--lag", type=int, default=5)
@@ -60,8 +62,9 @@ def in_flight(step: int, interval: int, lag: int) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not 0 < args.lag < args.interval or args.warmup % args.interval:
-        raise SystemExit("need 0 < --lag < --interval and --warmup a multiple of --interval")
+    if not 0 < args.lag < args.interval - 1 or args.warmup % args.interval or args.steps < 2 * args.interval:
+        raise SystemExit("need 0 < --lag < --interval - 1 (idle steps in every interval), --warmup a multiple of "
+                         "--interval and --steps >= 2 x --interval (a whole interval with its plan in flight)")
 
     from ds_cobalt.integrations.replan import Replanner
 
@@ -74,10 +77,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(args.seed)
         config = copy.deepcopy(base)
         cobalt = config.setdefault("cobalt", {})
+        # every mode on one schedule without `auto`'s trials: on fast links `auto` keeps dense, whose layers are not
+        # re-planned, and this benchmark would time no planning at all
+        cobalt["transport"] = {"schedule": "hierarchical"}
         if mode != "off":
             cobalt["planner"] = {"replan_interval": args.interval, "apply_lag": args.lag, "worker": mode,
-                                 "sample_tokens": args.sample_tokens, "redundant_slots": 0}
+                                 "sample_tokens": args.sample_tokens, "redundant_slots": 0,
+                                 "first_replan_step": args.interval, "early_replans": False,
+                                 "plan_before_trials": False}
             cobalt["migration"] = {"margin": 1e12}  # plan, never apply: the step's own cost stays the same
+        else:
+            cobalt["planner"] = {"replan_interval": 0, "redundant_slots": 0}  # the control: no planning
         path = Path(f"/tmp/replan_overhead_{mode}_rank{rank}.json")
         path.write_text(json.dumps(config))
         engine = initialize("cobalt", MoELM(cfg, __import__("ds_cobalt").MoE), str(path), config)
@@ -110,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                           if hook.history and k in hook.history[0]}
         ratios = [statistics.fmean(b) / statistics.fmean(i) for b, i in per_interval.values() if b and i]
         # median step time by position in the interval: 0 = the step whose hook gathers and submits, lag = apply
-        by_position = [statistics.median(b[j] for b, _ in per_interval.values() if len(b) == args.lag + 1)
-                       for j in range(args.lag + 1)]
+        whole = [b for b, _ in per_interval.values() if len(b) == args.lag + 1]
+        by_position = [statistics.median(b[j] for b in whole) for j in range(args.lag + 1)] if whole else []
         result[mode] = {"in_flight_mean_s": statistics.fmean(flight), "idle_mean_s": statistics.fmean(idle),
                         "ratio": statistics.fmean(flight) / statistics.fmean(idle), "plan_s": plan_s,
                         "median_interval_ratio": statistics.median(ratios), "interval_ratios": ratios,

@@ -25,13 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from ds_cobalt.commands.arg_types import positive_int
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", default=str(REPO / "ds_config_templates" / "cpu_2nodes_x_2ranks.json"))
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--migrate-every", type=int, default=10)
     p.add_argument("--fault-every", type=int, default=3)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from ds_cobalt.commands.arg_types import positive_int
 from ds_cobalt.planner.layout import Layout, contiguous_layout
 from ds_cobalt.planner.policies import plan_layout
 from ds_cobalt.planner.trace import load_trace
@@ -40,13 +41,14 @@ def main() -> None:
     ap.add_argument("--trace", action="append", default=[], help="recorded .npz trace, PATH or PATH:NODES:GPUS")
     ap.add_argument("--nodes", type=int, default=2, help="topology for --trace without a suffix")
     ap.add_argument("--gpus-per-node", type=int, default=2)
-    ap.add_argument("--no-synth", action="store_true", help="only the recorded traces")
-    ap.add_argument("--steps", type=int, default=16, help="steps each trace is cut into")
+    ap.add_argument("--no-synth", action="store_true",
+                    help=f"only the recorded traces ({RECORDED} and those of --trace)")
+    ap.add_argument("--steps", type=positive_int, default=16, help="steps each trace is cut into")
     ap.add_argument("--replan-interval", type=int, default=4)
     args = ap.parse_args()
 
     cases = []
-    for spec in [RECORDED, *args.trace]:
+    for spec in dict.fromkeys([RECORDED, *args.trace]):  # the recorded trace once, also when given with --trace
         path, *topo = spec.split(":")
         nodes, gpus = (int(topo[0]), int(topo[1])) if topo else (args.nodes, args.gpus_per_node)
         cases.append((path, load_trace(path), nodes, gpus))

@@ -176,7 +176,9 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
     def b(key: str) -> str:
         return fmt_bytes(s[key] or 0)
 
-    if s["first_migration_step"] is None:
+    if s["sent_per_step_before"] is None and s["first_migration_step"] is None:
+        print("  cross-node / step   no step to average: step 1 (lazy init, `auto`'s first trial) is left out")
+    elif s["first_migration_step"] is None:
         print(f"  cross-node / step   {b('sent_per_step_before')} (DeepSpeed {b('deepspeed_padded_per_step_before')})"
               "; no migration to compare with")
         print(f"  GPU load max/mean   {s['load_max_over_mean_before'] or 0:.3f}")
@@ -190,7 +192,8 @@ def print_summary(s: dict[str, Any], fmt_bytes: Any, plot: str | None) -> None:
         print(f"  stage 2 every step  spare slots refilled in {s['stage2_forwards']} layer forwards (all ranks); GPU "
               f"load max/mean inside a node {s['stage2_node_gpu_max_over_mean']:.3f}, with the re-plan's replicas "
               f"only {s['interval_node_gpu_max_over_mean']:.3f} (mean over those forwards); per layer now: "
-              f"{', '.join(str(m) for m in s['stage2_now'])} (`planner.stage2` auto times step, interval and none)")
+              f"{', '.join('still timing' if m is None else str(m) for m in s['stage2_now'])} "
+              "(`planner.stage2` auto times step, interval and none)")
     else:
         print("  stage 2 every step  not run: no spare slot to refill (before the first re-plan, or the layers ran "
               "the direct or dense schedule)")

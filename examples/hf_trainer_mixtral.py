@@ -26,6 +26,8 @@ import torch
 from moe_lm import load_corpus  # examples/moe_lm.py: the stdlib source as bytes
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+from ds_cobalt.commands.arg_types import positive_int
+
 VOCAB = 256  # bytes
 
 
@@ -42,9 +44,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON with 'expert_parallel' (and 'cobalt')")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=positive_int, default=30)
     add_model_arguments(p)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--logging-steps", type=int, default=1)
@@ -200,10 +202,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step time: median {1e3 * float(np.median(timer.seconds[first:])):.1f} ms over steps "
                   f"{first + 1}-{len(timer.seconds)}")
         for key, values in cobalt.items():
-            if key.startswith("cobalt/layers_"):  # layers on each transport schedule at the log, not a per-window sum
-                print(f"{key}: last {values[-1]:.4g}" if values else key)
-            else:
-                print(f"{key}: last {values[-1]:.4g}, total {sum(values):.4g}" if values else key)
+            # sums over the logging windows: bytes, tokens, migrations; ratios and layer counts are per window
+            summed = not key.startswith("cobalt/layers_") and key not in (
+                "cobalt/inter_node_vs_baseline", "cobalt/expert_load_max_over_mean")
+            print((f"{key}: last {values[-1]:.4g}" + (f", total {sum(values):.4g}" if summed else "")) if values
+                  else key)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(report, indent=1))
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_cobalt.commands.arg_types import positive_int
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cobalt_report import StepTracker, print_summary, save_plot, summarize  # noqa: E402
 from moe_lm import ModelConfig, MoELM, batch_for_rank, load_corpus, set_threads_from_env  # noqa: E402
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--moe-impl", choices=["cobalt", "deepspeed"], default="cobalt")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", type=str, default=None, help="write per-step losses, tokens/s, traffic")
     p.add_argument("--trace-out", type=str, default=None, help="write the routing trace (.npz) on rank 0")

@@ -292,5 +292,9 @@ def format_comparison(result: dict) -> str:
                      + (f"  per repeat: measured {' '.join(f'{x:.2f}' for x in r['measured_per_repeat'])}, predicted "
                         f"{' '.join(f'{x:.2f}' for x in r['predicted_per_repeat'])}" if "measured_per_repeat" in r
                         else ""))
-    lines.append(f"largest error at the predicted rates: {result['max_abs_rel_error'] * 100:.1f}%")
+    if any(not r.get("fitted") for r in result["ratios"]):
+        lines.append(f"largest error at the predicted rates: {result['max_abs_rel_error'] * 100:.1f}%")
+    else:
+        lines.append("nothing predicted: every rate in the folder was used to fit the model (add a loopback run to "
+                     "fit on, or pass --hardware-json)")
     return "\n".join(lines)
