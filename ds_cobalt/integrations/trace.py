@@ -68,11 +68,13 @@ class TraceRecorder:
     """The step hook of `cobalt.trace`: records the routing of optimizer steps [`first`, `first + steps`) and
     writes it after the last of them. A run that ends inside that window loses nothing: `finish` (called by
     `CobaltEngine.destroy` and `save_cobalt_trace`, collective) writes the steps recorded so far and says so; one
-    that ends before `first` is told that nothing was recorded."""
+    that recorded nothing (it ended before `first`, or resumed from a checkpoint past it) is told so."""
 
     def __init__(self, engine: torch.nn.Module, path: str | Path, first: int, steps: int) -> None:
         self.path, self.first, self.last = Path(path), first, first + steps
         self.done = False
+        self.started_at: int | None = None  # the step recording started after (None: not recording)
+        self._next = 0  # the step count the next hook call expects while recording
         if first == 0:
             self._start(engine, 0)
 
@@ -80,31 +82,37 @@ class TraceRecorder:
         step = engine.global_steps
         if self.done:
             return
-        if step == self.first:
-            self._start(engine, step)
-        elif step == self.last:
-            self._write(engine, f"wrote the routing of steps [{self.first}, {self.last}) to {self.path}")
+        if self.started_at is not None and step != self._next:  # the count jumped (a checkpoint load): what was
+            stop_trace(engine)                                   # recorded does not lead up to this step
+            self.started_at = None
+        if self.started_at is None and self.first <= step < self.last:
+            self._start(engine, step)  # at `first`, or inside the window after a resume: [step, last)
+        elif self.started_at is not None and step >= self.last:
+            self._write(engine, f"wrote the routing of steps [{self.started_at}, {step}) to {self.path}")
+        self._next = step + 1
 
     def finish(self, engine: torch.nn.Module) -> None:
         """Collective: where the window is still open, write what it recorded (or say that it recorded nothing)."""
         if self.done:
             return
+        self.done = True
         step = engine.global_steps
-        if step <= self.first:
-            self.done = True
+        if self.started_at is None or step <= self.started_at or step != self._next - 1:  # (a load since: a jump)
             stop_trace(engine)
             if engine.global_rank == 0:
-                logger.warning(f"ds_cobalt: cobalt.trace recorded nothing: the run ended after step {step}, before "
-                               f"trace.start_step={self.first}; {self.path} is not written")
+                why = (f"before trace.start_step={self.first}" if step <= self.first else
+                       f"and its window [{self.first}, {self.last}) was not reached in this process (a resume?)")
+                logger.warning(f"ds_cobalt: cobalt.trace recorded nothing: the run ended after step {step}, {why}; "
+                               f"{self.path} is not written")
             return
         self._write(engine, f"the run ended inside cobalt.trace's window: wrote the routing of steps "
-                            f"[{self.first}, {step}) of [{self.first}, {self.last}) to {self.path}", warn=True)
+                            f"[{self.started_at}, {step}) of [{self.first}, {self.last}) to {self.path}", warn=True)
 
     def _start(self, engine: torch.nn.Module, step: int) -> None:
         start_trace(engine)
+        self.started_at, self._next = step, step + 1
         if engine.global_rank == 0:
-            logger.info(f"ds_cobalt: recording the routing of steps [{self.first}, {self.last}) for {self.path} "
-                        f"(from step {step})")
+            logger.info(f"ds_cobalt: recording the routing of steps [{self.first}, {self.last}) for {self.path}")
 
     def _write(self, engine: torch.nn.Module, message: str, warn: bool = False) -> None:
         self.done = True

@@ -981,6 +981,13 @@ def _trace_window_body(rank: int, world: int, out_dir: str) -> dict:
             "trace": {"path": f"{out_dir}/before.npz", "start_step": 50}})
         train(before, range(2))
         before.save_cobalt_trace()
+        jumped = build_engine("cobalt", 0, ep_size=2, cobalt={
+            "topology": {"ranks_per_node": 1}, "planner": {"replan_interval": 0},
+            "trace": {"path": f"{out_dir}/jumped.npz", "steps": 20}})
+        train(jumped, range(2))
+        jumped.global_steps = 10  # as a checkpoint load sets it: the rows so far do not lead up to step 10
+        train(jumped, range(2))  # steps 11 and 12: recording restarts after step 11, inside the window
+        jumped.destroy()
     finally:
         logger.removeHandler(handler)
     return {"messages": messages}
@@ -1000,3 +1007,5 @@ def test_a_run_ending_inside_the_trace_window_writes_what_it_recorded(run_ranks,
     assert sum("wrote the routing of steps [1, 3) of [1, 21)" in m for m in first) == 1, first
     assert any("recorded nothing" in m and "trace.start_step=50" in m for m in first), first
     assert results[1]["messages"] == []  # rank 0 reports
+    assert load_trace(tmp_path / "jumped.npz").experts_LTK.shape[:2] == (2, 1 * 2 * MICRO)
+    assert any("wrote the routing of steps [11, 12) of [0, 20)" in m for m in first), first
