@@ -53,6 +53,8 @@ class CobaltEngine(DeepSpeedEngine):
             engine.__class__ = _cobalt_class(type(engine))
         assert isinstance(engine, CobaltEngine)
         engine.cobalt_config = config
+        if not hasattr(engine, "cobalt_migrations"):
+            engine.cobalt_migrations = []  # every migration's report, in order (`migrate`)
         engine._cobalt_cores = None  # the layers' cores, found at the first step (a module walk: ~1 ms a step)
         engine._close_hooks()
         engine.cobalt_step_hooks = engine._configured_hooks(config) if config is not None else []
@@ -121,6 +123,14 @@ class CobaltEngine(DeepSpeedEngine):
                                                 client_state, *args, **kwargs)
         save_replan_state(self, tag_directory(save_dir, tag, self.global_steps))
         return result
+
+    def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's `save_16bit_model` with the experts in logical (DeepSpeed's contiguous) order, so each is
+        written under its own name after migrations (collective: every rank calls it, as under ZeRO-3). Like
+        DeepSpeed's, it writes rank 0's module: with expert parallelism only rank 0's experts."""
+        flush_pending(self)
+        with checkpoint.logical_order(self, purpose="save_16bit_model"):
+            return super().save_16bit_model(*args, **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, cobalt_portable_state: bool | None = None,
                         **kwargs: Any) -> Any:

@@ -126,10 +126,18 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
     `asynchronous=True` returns a `PendingMigration` instead: the transfers run behind the next forward
     and each layer commits in a forward pre-hook, waiting only for its own experts.
     """
-    if asynchronous and not getattr(engine, "commits_pending_migrations", False):
-        raise ValueError("migrate(asynchronous=True) needs an engine that commits pending migrations before "
-                         "its step and checkpoints: a ds_cobalt CobaltEngine (from ds_cobalt.initialize or "
-                         "CobaltCallback); pass asynchronous=False for another engine")
+    if not getattr(engine, "commits_pending_migrations", False) or getattr(engine, "cobalt_config", None) is None:
+        raise ValueError("migrate needs the engine ds_cobalt.initialize returns (a CobaltEngine with its \"cobalt\" "
+                         "config; the HF CobaltCallback makes one too): after a migration a plain DeepSpeed engine's "
+                         "save_checkpoint and save_16bit_model would write the moved experts under other experts' "
+                         "names. Convert it first: ds_cobalt.CobaltEngine.adopt(engine, "
+                         "ds_cobalt.parse_cobalt_config({...}))")
+    gas = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else 1
+    micro = int(getattr(engine, "micro_steps", 0))
+    if gas > 1 and micro % gas:
+        raise ValueError(f"migrate runs between optimizer steps; this engine is inside a gradient-accumulation "
+                         f"window (micro-step {micro % gas} of gradient_accumulation_steps={gas}): the gradients "
+                         "accumulated so far would stay with the old owners")
     flush_pending(engine)
     fault_hook = fault_hook or _FAULT_HOOK
     step = int(getattr(engine, "global_steps", 0))
