@@ -117,6 +117,9 @@ def copy_link_load(slots_WS: np.ndarray, num_experts: int, gpus_per_node: int,
     GPU sends and receives at most one copy this is the number of copies; where one owner's expert is copied to
     many nodes it sends them all, one after another (the weights in forward, their gradients back in backward), and
     that owner's link sets the time (`sim.cluster.replica_fetch` prices them so)."""
+    share = 1.0 / gpus_per_node if gpu_link_share is None else float(gpu_link_share)
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"gpu_link_share must be in (0, 1], got {gpu_link_share!r}")
     slots_WS = np.asarray(slots_WS)
     W = slots_WS.shape[0]
     N = W // gpus_per_node
@@ -125,9 +128,6 @@ def copy_link_load(slots_WS: np.ndarray, num_experts: int, gpus_per_node: int,
         return 0.0
     holder_W = np.nonzero(copies)[0]
     sender_W = owner_rank_of(slots_WS, num_experts)[slots_WS[copies]]
-    share = 1.0 / gpus_per_node if gpu_link_share is None else float(gpu_link_share)
-    if not 0.0 < share <= 1.0:
-        raise ValueError(f"gpu_link_share must be in (0, 1], got {gpu_link_share!r}")
     busiest = 0.0
     for ranks in (sender_W, holder_W):
         per_gpu = np.bincount(ranks, minlength=W)
