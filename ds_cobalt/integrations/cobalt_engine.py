@@ -128,8 +128,7 @@ class CobaltEngine(DeepSpeedEngine):
         """DeepSpeed's `save_16bit_model` with the experts in logical (DeepSpeed's contiguous) order, so each is
         written under its own name after migrations (collective: every rank calls it, as under ZeRO-3). Like
         DeepSpeed's, it writes rank 0's module: with expert parallelism only rank 0's experts."""
-        flush_pending(self)
-        with checkpoint.logical_order(self, purpose="save_16bit_model"):
+        with checkpoint.logical_order(self, purpose="save_16bit_model"):  # commits a pending migration first
             return super().save_16bit_model(*args, **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any, cobalt_portable_state: bool | None = None,
