@@ -49,6 +49,7 @@ from ..planner.decisions import (
     confirm_on_newer_routing,
     plan_layer_decision,
 )
+from ..planner.policies import check_topology
 from ..runtime.comm import all_reduce_host
 from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
@@ -123,6 +124,7 @@ class Replanner:
         self.stats_since_step: int | None = 0
         if not self.layers:
             return
+        _check_redundant_slots(self.layers[0], self.cfg.redundant_slots)
         for layer in self.layers:
             layer.stats.planning = True  # co-activation and samples are counted only for a replanner
         first = self.layers[0]
@@ -626,3 +628,14 @@ class Replanner:
                                 t[f"pending.{i}.samples_TK"], t[f"pending.{i}.source_rank_T"]) for i in ids]
             self._submit((meta["pending"], ids, stats, [t[f"pending.{i}.current_WS"] for i in ids],
                           t["pending.tokens_per_step"].tolist(), json.loads(meta["params"])))
+
+
+def _check_redundant_slots(layer: LayerCore, redundant_slots: int) -> None:
+    """ValueError naming `cobalt.planner.redundant_slots` where a rank cannot hold that many experts besides its
+    own (a one-rank group plans nothing)."""
+    topo = layer.topology
+    if topo.world_size > 1:
+        try:
+            check_topology(layer.num_experts, topo.nodes, topo.ranks_per_node, redundant_slots)
+        except ValueError as e:
+            raise ValueError(f"cobalt.planner.redundant_slots={redundant_slots} does not fit this model: {e}") from None

@@ -277,7 +277,7 @@ def cobalt_layer(inp: LayerInput, *, joint: str = "moves") -> np.ndarray:
     eplb_result = (*_evaluate(inp, eplb_slots), eplb_slots)
     results.append(eplb_result)
     best_balance = min(r[1] for r in results)
-    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02) + 1e-12]
+    ok = [r for r in results if r[1] <= max(BALANCE_TARGET, best_balance * BALANCE_SLACK) + 1e-12]
     pick = min(ok, key=lambda r: (r[0], r[1]))
     dominating = [r for r in results[:-1] if r[0] <= eplb_result[0] and r[1] <= eplb_result[1]]
     if (pick[0] > eplb_result[0] or pick[1] > eplb_result[1]) and dominating:
@@ -292,7 +292,9 @@ JOINT_ROUNDS = 2  # "alternate": owner re-partitions per candidate with copies c
 JOINT_MAX_NODES = 16  # ReplicaPartitionState keeps N * M * N counters
 JOINT_LOAD_TOLERANCES = (0.02,)  # "moves": modelled node load within these of the mean (one search each)
 COBALT_JOINT = "moves"  # the joint step of the registered `cobalt` policy
-BALANCE_TARGET = 1.05  # "moves": GPU max/mean on the sample up to which traffic copies are kept
+BALANCE_TARGET = 1.05  # GPU max/mean on the sample up to which candidates compete on traffic alone (and "moves"
+# keeps traffic copies)
+BALANCE_SLACK = 1.02  # ... or within this factor of the best candidate's balance, where none reaches the target
 JOINT_MAX_DROPS = 4  # "moves": copies traded for balance per joint result
 
 
@@ -338,7 +340,7 @@ def replicas_for_owners(inp: LayerInput, owner_WP: np.ndarray) -> np.ndarray:
         slots = fill_spares(owner_WP, _node_load_NE(inp, node_of_E, extra_NE), extra_NE, G, R)
         results.append((*_evaluate(inp, slots), slots))
     best_balance = min(r[1] for r in results)
-    ok = [r for r in results if r[1] <= max(1.05, best_balance * 1.02) + 1e-12]
+    ok = [r for r in results if r[1] <= max(BALANCE_TARGET, best_balance * BALANCE_SLACK) + 1e-12]
     return min(ok, key=lambda r: (r[0], r[1]))[2]
 
 

@@ -28,6 +28,10 @@ def _engine_body(rank: int, world: int) -> dict:
     pending = migrate(engine, [random_owner_layout(np.random.default_rng(3)) for _ in range(2)], asynchronous=True)
     train(engine, range(6, 7))  # the forward commits each layer, the step would flush the rest
     out["pending_ok"] = bool(pending.done and pending.report is not None and pending.report.ok)
+    # E=8 on 4 ranks: a rank holds at most 8 - 2 experts besides its own two
+    with pytest.raises(ValueError, match=r"cobalt.planner.redundant_slots=7 .* at most .* = 6"):
+        build_engine("cobalt", 0, cobalt={"planner": {"replan_interval": 4, "redundant_slots": 7}})
+    out["too_many_spares_refused"] = True
     return out
 
 
@@ -61,6 +65,7 @@ def test_initialize_returns_a_cobalt_engine_with_methods(run_ranks) -> None:
         assert out["same_layers"] == [True, True]
         assert out["replan_samples"] > 0
         assert out["pending_ok"]
+        assert out["too_many_spares_refused"]
 
 
 def test_plain_engine_counts_no_coactivation_and_refuses_migration(run_ranks) -> None:
