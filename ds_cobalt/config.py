@@ -19,7 +19,8 @@ class _Section(BaseModel):
 
 
 class TopologyConfig(_Section):
-    """How ranks group into nodes. `ranks_per_node` overrides the launcher's LOCAL_WORLD_SIZE.
+    """How ranks group into nodes. `ranks_per_node` overrides the launcher's local world size (LOCAL_SIZE,
+    LOCAL_WORLD_SIZE, ...).
     `group_timeout_s`: the longest any collective on ds_cobalt's own process groups (rails, nodes, its copy of
     each EP group) waits for a peer before it fails with an error (a lost peer is an error, not a hang), at most a
     week (gloo counts it in milliseconds; 1e10 s timed out at once); DeepSpeed's groups keep

@@ -32,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..planner.files import check_output_file
     from ..planner.layout import load_layout, save_layout
     from ..planner.policies import plan_layout
     from ..planner.trace import load_trace
-    from .paths import check_output_file
 
     check_output_file(args.out, "--out")
     if args.plot:

@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..planner.files import check_output_file
     from ..planner.trace import load_trace, save_trace
     from ..sim.synth import gini, synth_trace
-    from .paths import check_output_file
 
     if args.trace_verb == "synth":
         check_output_file(args.out, "--out")

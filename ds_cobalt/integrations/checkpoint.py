@@ -136,7 +136,15 @@ def logical_order(engine: Any, purpose: str = "logical order") -> Iterator[None]
                                     f"({report.error or 'failed on another rank'})")
     try:
         yield
-    finally:
+    except BaseException:
+        # the block failed on this rank, maybe on this rank only (a full or read-only disk): its peers may wait in
+        # the block's own collectives (DeepSpeed's barriers), so the way back, a collective, would hang; the error
+        # goes up instead, as DeepSpeed's own would. The layout stays the contiguous one (training stays exact)
+        if moved:
+            logger.error(f"ds_cobalt: {purpose} failed on rank {_rank()}; the layers stay in logical (contiguous) "
+                         "order, not migrated back to the training layout")
+        raise
+    else:
         if moved:
             back = migrate(engine, current, reason=f"{purpose}: back to the training layout")
             if back.ok:  # the same layouts again: the schedule choices stand (no re-timing after a save)

@@ -26,7 +26,7 @@ from . import checkpoint
 from .layers import SCHEDULES, layer_cores, traffic_summary
 from .migration import flush_pending
 from .replan import Replanner
-from .replan_state import latest_tag_directory, load_replan_state, save_replan_state, tag_directory
+from .replan_state import latest_tag_directory, load_replan_state, save_replan_state, tag_directory, write_latest
 from .schedule_gate import ScheduleGate
 from .trace import TraceRecorder
 
@@ -82,11 +82,19 @@ class CobaltEngine(DeepSpeedEngine):
                 hook.finish(self)
 
     # ----- step --------------------------------------------------------------------------------------
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        self.cobalt_accumulating = True  # gradients wait for the optimizer step (`migrate` refuses to run now)
+        return super().backward(*args, **kwargs)
+
     def step(self, *args: Any, **kwargs: Any) -> Any:
         flush_pending(self)
         boundary = self.is_gradient_accumulation_boundary()
         out = super().step(*args, **kwargs)
         if boundary:
+            # the optimizer stepped: no gradient is waiting. (DeepSpeed's own loop calls `step` after every
+            # micro-batch, the HF Trainer / accelerate once per optimizer step after setting the boundary: this
+            # holds for both, where `micro_steps % gradient_accumulation_steps` counts only the first)
+            self.cobalt_accumulating = False
             if self._cobalt_cores is None:
                 self._cobalt_cores = layer_cores(self)
             for core in self._cobalt_cores:
@@ -113,8 +121,18 @@ class CobaltEngine(DeepSpeedEngine):
     # ----- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's `save_checkpoint`, then ds_cobalt's files beside it; DeepSpeed's `latest` file is written
+        last, once every rank has written all of its files, so an interrupted save (a killed rank, a full disk)
+        leaves `latest` on the checkpoint before it (DeepSpeed writes it at the end of its own part)."""
         flush_pending(self)
         save = super().save_checkpoint
+        if args:  # DeepSpeed's order: save_latest, exclude_frozen_parameters
+            save_latest, args = args[0], args[1:]
+        else:
+            save_latest = kwargs.pop("save_latest", True)
+        # (a decoupled checkpoint engine commits after this returns, and writes `latest` then itself)
+        own_latest = bool(save_latest) and not self.checkpoint_engine.is_decoupled()
+        args = (save_latest and not own_latest, *args)
         migration = self.cobalt_config.migration if self.cobalt_config is not None else None
         if migration is None or not migration.checkpoint_logical_order:
             result = save(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)
@@ -122,6 +140,8 @@ class CobaltEngine(DeepSpeedEngine):
             result = checkpoint.save_checkpoint(self, save, migration.checkpoint_portable_state, save_dir, tag,
                                                 client_state, *args, **kwargs)
         save_replan_state(self, tag_directory(save_dir, tag, self.global_steps))
+        if own_latest:
+            write_latest(self, save_dir, tag)
         return result
 
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> Any:

@@ -15,6 +15,8 @@ The `"cobalt"` section stays in the DeepSpeed JSON: neither the Trainer's config
   the callback does the conversion right before that load instead (it wraps the Trainer's
   `deepspeed_load_checkpoint`), so the load restores ds_cobalt's layouts, optimizer state and re-planner state
   and the run continues exactly;
+- wraps the Trainer's `save_model` (which its checkpoints call too) so that the module's state dict it writes holds
+  the experts in logical order after migrations (`checkpoint.logical_order`);
 - at `on_log` (training logging steps): adds `cobalt/*` metrics to the logs (so the printed logs,
   `state.log_history`, TensorBoard and other reporters get them): traffic since the previous logging step,
   summed over ranks, and expert load imbalance. Collective: every rank logs at the same steps, as the
@@ -36,6 +38,7 @@ from transformers import Trainer, TrainerCallback
 from ..config import CobaltConfig, parse_cobalt_config, read_deepspeed_config, split_deepspeed_config
 from . import peer_watch
 from .auto_ep import adopt_auto_ep_layers
+from .checkpoint import logical_order
 from .cobalt_engine import CobaltEngine
 from .engine import configure_layers
 from .layers import SCHEDULES, layer_cores
@@ -86,6 +89,7 @@ class CobaltCallback(TrainerCallback):
             # run first, so the metrics this callback adds in on_log reach every reporter after it
             callbacks = trainer.callback_handler.callbacks
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+            _wrap_save_model(trainer, self)
         if model is not None:
             configure_layers(model, self.config)
         _wrap_trainer_checkpoint_load(self)
@@ -233,6 +237,27 @@ def _wrap_trainer_checkpoint_load(callback: "CobaltCallback") -> None:
 
     load_checkpoint.ds_cobalt_original = original
     trainer_module.deepspeed_load_checkpoint = load_checkpoint
+
+
+def _wrap_save_model(trainer: Trainer, callback: "CobaltCallback") -> None:
+    """Make `trainer.save_model` (also what the Trainer's checkpoints write as `model.safetensors`) write the experts
+    in logical order: under ZeRO-1/2 it saves the module's state dict, whose expert slots follow the training layout
+    after migrations (`checkpoint.logical_order`; collective: every rank calls `save_model`, as DeepSpeed needs)."""
+    original = trainer.save_model
+    if getattr(original, "ds_cobalt_original", None) is not None:
+        return
+    ref = weakref.ref(callback)
+
+    def save_model(*args: Any, **kwargs: Any) -> Any:
+        live = ref()
+        engine = live._engine() if live is not None else None
+        if not isinstance(engine, CobaltEngine):
+            return original(*args, **kwargs)
+        with logical_order(engine, purpose="save_model"):
+            return original(*args, **kwargs)
+
+    save_model.ds_cobalt_original = original
+    trainer.save_model = save_model
 
 
 def _load_deepspeed_config(value: Any) -> dict:

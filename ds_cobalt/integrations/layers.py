@@ -7,8 +7,11 @@ finds layers here and talks to their cores.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..runtime.layer import LayerCore
 from ..runtime.stats import DeviceRoutingStats
@@ -34,6 +37,12 @@ def layer_cores(model: torch.nn.Module) -> list[LayerCore]:
     """The `LayerCore` of every ds_cobalt layer of a model (or engine), in module order."""
     module = getattr(model, "module", model)
     return [core for core in map(_core, module.modules()) if core is not None]
+
+
+def job_group(cores: Sequence[LayerCore]) -> dist.ProcessGroup | None:
+    """ds_cobalt's copy of the world group (`EPGroups.world_group`: its timeout) from the first attached layer;
+    None (the default group) where there is none."""
+    return next((core.groups.world_group for core in cores if core.attached), None)
 
 
 SCHEDULES = ("hierarchical", "direct", "dense")

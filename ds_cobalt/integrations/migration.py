@@ -35,7 +35,7 @@ from ..runtime.comm import all_reduce_host, all_to_all_rows
 from ..runtime.layer import LayerCore
 from ..runtime.placement import build_placement
 from .expert_state import ExpertStateIO, relink_optimizer_state
-from .layers import layer_cores
+from .layers import job_group, layer_cores
 
 __all__ = ["OwnerMoves", "MigrationReport", "PendingMigration", "plan_owner_moves", "migrate", "flush_pending",
            "relink_optimizer_state", "set_fault_hook", "ExpertStateIO", "migratable_layers", "moe_layers"]
@@ -132,12 +132,11 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
                          "save_checkpoint and save_16bit_model would write the moved experts under other experts' "
                          "names. Convert it first: ds_cobalt.CobaltEngine.adopt(engine, "
                          "ds_cobalt.parse_cobalt_config({...}))")
-    gas = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else 1
-    micro = int(getattr(engine, "micro_steps", 0))
-    if gas > 1 and micro % gas:
+    if getattr(engine, "cobalt_accumulating", False):  # a backward since the last optimizer step (`CobaltEngine`)
+        gas = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else 1
         raise ValueError(f"migrate runs between optimizer steps; this engine is inside a gradient-accumulation "
-                         f"window (micro-step {micro % gas} of gradient_accumulation_steps={gas}): the gradients "
-                         "accumulated so far would stay with the old owners")
+                         f"window (gradient_accumulation_steps={gas}: a backward ran since the last optimizer "
+                         "step): the gradients accumulated so far would stay with the old owners")
     flush_pending(engine)
     fault_hook = fault_hook or _FAULT_HOOK
     step = int(getattr(engine, "global_steps", 0))
@@ -180,7 +179,7 @@ def migrate(engine: Any, new_slots: Sequence[np.ndarray | None], *, reason: str 
             bytes_sent, bytes_moved = bytes_sent + sent, bytes_moved + moved
 
         # Phase 2: agree, then swap. Only local writes from here on.
-        ok = _all_ranks_ok(error is None)
+        ok = _all_ranks_ok(error is None, job_group([p[1] for p in plans]))
         if ok:
             for (_, layer, _, moves), recv in zip(moving, staged):
                 _write_rows(io, layer, moves, recv)
@@ -214,6 +213,7 @@ class PendingMigration:
         self.bytes_sent = self.bytes_moved = 0
         self.report: MigrationReport | None = None
         self._pending: dict[int, tuple] = {}
+        self._group = job_group([p[1] for p in plans])
         moving = [p for p in plans if not p[3].empty]
         read: list[tuple[int, torch.Tensor]] = []
         error = None
@@ -225,7 +225,7 @@ class PendingMigration:
                         fault_hook("pack", index)
                 except Exception as err:  # noqa: BLE001
                     error = error or f"layer {index}: {type(err).__name__}: {err}"
-        if not _all_ranks_ok(error is None):
+        if not _all_ranks_ok(error is None, self._group):
             self.errors.append(error or "a read failed on another rank")
             self._finish()
             return
@@ -278,7 +278,7 @@ class PendingMigration:
                 self.fault_hook("stage", index)
         except Exception as err:  # noqa: BLE001
             error = f"layer {index}: {type(err).__name__}: {err}"
-        if _all_ranks_ok(error is None):
+        if _all_ranks_ok(error is None, self._group):
             with torch.no_grad():
                 _write_rows(self.io, layer, moves, recv)
             layer.install_layout(slots)
@@ -316,10 +316,10 @@ def flush_pending(engine: Any) -> None:
         pending.flush()
 
 
-def _all_ranks_ok(local_ok: bool) -> bool:
+def _all_ranks_ok(local_ok: bool, group: dist.ProcessGroup | None) -> bool:
     flag = torch.tensor([1 if local_ok else 0], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
-        flag = all_reduce_host(flag, dist.ReduceOp.MIN)
+        flag = all_reduce_host(flag, dist.ReduceOp.MIN, group)
     return bool(flag.item())  # NOTE: host sync
 
 

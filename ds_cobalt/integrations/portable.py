@@ -48,7 +48,6 @@ import os
 import re
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +57,7 @@ from deepspeed.utils import logger
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..planner.files import write_atomically, write_text_atomically
 from ..planner.layout import is_json_int
 from .deepspeed_moe import MoE
 from .expert_state import ExpertStateIO, Piece, relink_optimizer_state
@@ -203,19 +203,6 @@ def _shared_save_id() -> str:
     return ids[0]
 
 
-def _write_atomically(path: str, write: Any) -> None:
-    """`write(tmp_path)`, flush it to disk, rename over `path`: readers see the old file or the whole new one."""
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def write_state_files(directory: str, *, rank: int, world_size: int, save_id: str, rows: dict[str, torch.Tensor],
                       fields: dict[str, list[str]], group_steps: list[float], global_steps: int) -> str:
     """Write one rank's `cobalt_state_rank{rank}.safetensors` + `.json` (module docstring); returns the manifest's
@@ -225,14 +212,14 @@ def write_state_files(directory: str, *, rank: int, world_size: int, save_id: st
     tensors_name, manifest_name = _names(rank)
     tensors_path, manifest_path = os.path.join(directory, tensors_name), os.path.join(directory, manifest_name)
     tensors = {key: row.detach().cpu().contiguous() for key, row in rows.items()}
-    _write_atomically(tensors_path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT,
+    write_atomically(tensors_path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT,
                                                                                   "save_id": save_id}))
     manifest = {"format": FORMAT, "rank": rank, "world_size": world_size, "save_id": save_id,
                 "tensors": tensors_name, "tensors_bytes": os.path.getsize(tensors_path),
                 "keys": list(rows), "fields": {key: list(fields[key]) for key in rows},
                 "group_steps": [float(s) for s in group_steps], "global_steps": int(global_steps)}
     text = json.dumps(manifest, allow_nan=False)
-    _write_atomically(manifest_path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    write_text_atomically(manifest_path, text)
     return manifest_path
 
 

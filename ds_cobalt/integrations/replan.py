@@ -55,6 +55,7 @@ from ..runtime.layer import SCHEDULE_WARMUP, LayerCore
 from ..runtime.link_probe import probe_links
 from ..runtime.placement import build_placement, remote_nodes_per_token
 from .expert_state import piece_numel
+from .layers import job_group
 from .migration import flush_pending, migratable_layers, migrate
 from .plan_workers import LayerPlanner, ThreadPlanner, WorkerUnavailable, make_planner
 
@@ -311,7 +312,7 @@ class Replanner:
             layer.stats.reset()
         flat = torch.cat([p.double() for p in pieces])
         if dist.is_initialized():
-            flat = all_reduce_host(flat)
+            flat = all_reduce_host(flat, group=job_group(self.layers))
         out: list[LayerStats] = []
         offset = 0
         for layer in self.layers:
@@ -471,7 +472,7 @@ class Replanner:
         flat = torch.cat([payload.reshape(-1)] + ([self._rows_piece(layer.stats.recent_rows(self.cfg.sample_tokens))
                                                    for layer in self.layers] if confirm else []))
         if dist.is_initialized():
-            flat = all_reduce_host(flat)
+            flat = all_reduce_host(flat, group=job_group(self.layers))
         payload = flat[: payload.numel()].reshape(payload.shape)
         planned = payload[:, 0] > 0
         actions = torch.where(planned, payload[:, 1], float(KEEP)).long().tolist()

@@ -11,8 +11,10 @@ step whose hook applies the plan in flight, "" = none), `pending` (the request's
 `pending_layers` and `params` (JSON).
 
 Loading needs the same world size, layers and experts; otherwise (a resharded resume) the statistics start fresh,
-as logged. A checkpoint without these files (a run without re-planning) also starts fresh. A truncated or foreign
-file raises ValueError naming it.
+as logged. A checkpoint without these files (a run without re-planning) also starts fresh, and so does every rank
+where some ranks' files are missing (all ranks agree, so none resubmits a plan alone). `CobaltEngine` writes
+DeepSpeed's `latest` only after every rank wrote these files (`write_latest`). A truncated or foreign file raises
+ValueError naming it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from deepspeed.utils import logger
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..planner.files import write_atomically, write_text_atomically
+from ..runtime.comm import all_reduce_host
+from .layers import job_group, layer_cores
+
 __all__ = ["FORMAT", "replan_state_path", "save_replan_state", "load_replan_state", "tag_directory",
-           "latest_tag_directory"]
+           "latest_tag_directory", "write_latest"]
 
 FORMAT = "ds-cobalt/replan-state-v1"
 
@@ -63,23 +70,46 @@ def save_replan_state(engine: Any, directory: str | os.PathLike) -> None:
             **meta}
     path = replan_state_path(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    host = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    try:
+        write_atomically(path, lambda tmp: save_file(host, tmp, metadata=meta))
+    except SafetensorError as e:  # (a full disk reads as this)
+        raise OSError(f"could not write {path}: {e}") from e
 
 
 def load_replan_state(engine: Any, directory: str | os.PathLike) -> bool:
-    """Restore this rank's replanner state from `directory`; False (logged) when it does not apply."""
+    """Restore the replanner state from `directory`, on every rank or on none: where some ranks' files are missing
+    or do not apply (an interrupted save, a resharded resume), every rank starts its statistics fresh, as logged
+    (one all-reduce, so that no rank resubmits a plan the others do not). A truncated or foreign file raises
+    ValueError naming it."""
     hook = _stateful_hook(engine)
     if hook is None:
         return False
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     path = replan_state_path(directory, rank)
-    if not path.exists():
-        logger.info(f"ds_cobalt: no replanner state in {directory}; routing statistics start fresh")
+    loaded = _read(path, hook, rank) if path.exists() else None
+    present = torch.zeros(world, dtype=torch.int64)
+    present[rank] = loaded is not None
+    if world > 1:
+        present = all_reduce_host(present, group=job_group(hook.layers))
+    missing = [r for r in range(world) if not present[r]]
+    if missing:
+        if rank == 0:
+            (logger.warning if len(missing) < world else logger.info)(
+                f"ds_cobalt: no replanner state in {directory} for rank(s) {missing} (files "
+                f"{replan_state_path(directory, missing[0]).name}...: missing or for another run shape); routing "
+                "statistics start fresh on every rank")
         return False
+    tensors, meta = loaded
+    try:
+        hook.restore(tensors, meta)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: inconsistent replanner state ({type(e).__name__}: {e})") from e
+    return True
+
+
+def _read(path: Path, hook: Any, rank: int) -> tuple[dict, dict] | None:
+    """`(tensors, metadata)` of this rank's file; None (logged) where it is for another world size or model."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -91,19 +121,26 @@ def load_replan_state(engine: Any, directory: str | os.PathLike) -> bool:
         raise ValueError(f"{path}: unreadable replanner state (truncated or not a safetensors file): {e}") from e
     saved = {k: meta.get(k) for k in ("world_size", "layers", "num_experts")}
     if saved != _shape(hook) or meta.get("rank") != str(rank):
-        logger.info(f"ds_cobalt: replanner state in {directory} is for {saved}, this run is {_shape(hook)}; "
-                    "routing statistics start fresh")
-        return False
-    try:
-        hook.restore(tensors, meta)
-    except (KeyError, RuntimeError, ValueError) as e:
-        raise ValueError(f"{path}: inconsistent replanner state ({type(e).__name__}: {e})") from e
-    return True
+        logger.info(f"ds_cobalt: replanner state {path} is for {saved}, this run is {_shape(hook)}")
+        return None
+    return tensors, meta
 
 
 def tag_directory(directory: str | os.PathLike, tag: Any, global_steps: int) -> Path:
     """The tag directory DeepSpeed writes: `tag`, or its default `global_step<N>`."""
     return Path(directory) / (str(tag) if tag is not None else f"global_step{global_steps}")
+
+
+def write_latest(engine: Any, directory: str | os.PathLike, tag: Any) -> None:
+    """Collective: once every rank is here (all its checkpoint files written), rank 0 points DeepSpeed's `latest`
+    file at `tag` (atomically), as DeepSpeed's own save would."""
+    group = job_group(layer_cores(engine))
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    if _rank_world()[0] == 0:
+        write_text_atomically(Path(directory) / "latest", tag_directory(directory, tag, engine.global_steps).name)
+    if dist.is_initialized():
+        dist.barrier(group=group)
 
 
 def latest_tag_directory(directory: str | os.PathLike, tag: Any) -> Path | None:

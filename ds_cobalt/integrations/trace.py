@@ -7,6 +7,7 @@ tokens ordered by forward, then rank. `TraceRecorder` is the step hook of `cobal
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from deepspeed.utils import logger
 
 from ..planner.trace import Trace
 from ..planner.trace import save_trace as write_trace
-from .layers import layer_cores
+from .layers import job_group, layer_cores
 
 
 def start_trace(model: torch.nn.Module) -> None:
@@ -50,7 +51,7 @@ def save_trace(model: torch.nn.Module, path: str | Path) -> Path | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     gathered = [per_forward] if world == 1 else [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, per_forward)
+        dist.all_gather_object(gathered, per_forward, group=job_group(layers))
     if rank != 0:
         return None
     blocks = [gathered[r][f] for f in range(len(per_forward)) for r in range(world)]
@@ -72,6 +73,8 @@ class TraceRecorder:
 
     def __init__(self, engine: torch.nn.Module, path: str | Path, first: int, steps: int) -> None:
         self.path, self.first, self.last = Path(path), first, first + steps
+        if engine.global_rank == 0:  # the rank that writes it: a bad path fails now, not after the window
+            _check_trace_path(self.path)
         self.done = False
         self.started_at: int | None = None  # the step recording started after (None: not recording)
         self._next = 0  # the step count the next hook call expects while recording
@@ -116,7 +119,25 @@ class TraceRecorder:
 
     def _write(self, engine: torch.nn.Module, message: str, warn: bool = False) -> None:
         self.done = True
-        save_trace(engine, self.path)
+        try:
+            save_trace(engine, self.path)
+        except OSError as e:  # rank 0's write (after the gather, so every rank is past the collective): a trace is
+            # a diagnostic, the training goes on
+            logger.error(f"ds_cobalt: cobalt.trace could not be written ({e}); training continues")
+            stop_trace(engine)
+            return
         stop_trace(engine)
         if engine.global_rank == 0:
             (logger.warning if warn else logger.info)(f"ds_cobalt: {message}")
+
+
+def _check_trace_path(path: Path) -> None:
+    """ValueError naming `cobalt.trace.path` where rank 0 could not write it (its missing directories are made)."""
+    if path.is_dir():
+        raise ValueError(f"cobalt.trace.path {path} is a directory; give a file name (.npz)")
+    existing = path.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"cobalt.trace.path {path} is not writable here ({existing}: read-only, no permission or "
+                         "not a directory)")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import write_text_atomically
+
 LAYOUT_FORMAT = "ds-cobalt/layout-v1"
 
 
@@ -295,4 +297,4 @@ def layout_from_dict(data: dict, source: str = "layout") -> Layout:
 
 
 def save_layout(layout: Layout, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(layout.to_json_dict()) + "\n")
+    write_text_atomically(path, json.dumps(layout.to_json_dict()) + "\n")

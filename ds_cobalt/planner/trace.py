@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import write_atomically
+
 __all__ = ["Trace", "load_trace", "save_trace", "validate_trace", "default_source_rank"]
 
 
@@ -164,7 +166,7 @@ def load_trace(path: str | Path) -> Trace:
 
 
 def save_trace(trace: Trace, path: str | Path) -> None:
-    """Write a trace `.npz` (compressed) in the DESIGN.md format."""
+    """Write a trace `.npz` (compressed) in the DESIGN.md format (atomically: `files.write_atomically`)."""
     fields: dict[str, np.ndarray] = {
         "experts": trace.experts_LTK.astype(np.int32 if trace.num_experts < 2**31 else np.int64),
         "num_experts": np.asarray(trace.num_experts, dtype=np.int64),
@@ -173,5 +175,8 @@ def save_trace(trace: Trace, path: str | Path) -> None:
         fields["source_rank"] = trace.source_rank_T
     if trace.weights_LTK is not None:
         fields["weights"] = trace.weights_LTK
-    with open(path, "wb") as fh:
-        np.savez_compressed(fh, **fields)
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as fh:
+            np.savez_compressed(fh, **fields)
+
+    write_atomically(path, write)

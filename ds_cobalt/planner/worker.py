@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .decisions import LayerDecision, LayerStats, plan_layer_decision
+from .files import write_atomically
 from .migration import LinkModel
 
 __all__ = ["PlanParams", "write_request", "read_request", "plan_request", "write_result", "read_result",
@@ -57,10 +58,11 @@ def plan_layers(layer_ids: list[int], stats: list[LayerStats], currents: list[np
 
 
 def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+    write_atomically(path, write)
 
 
 def write_request(path: Path, layer_ids: list[int], stats: list[LayerStats], currents: list[np.ndarray],

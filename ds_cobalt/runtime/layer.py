@@ -259,7 +259,7 @@ class LayerCore:
         self._groups = groups
         topo = groups.topology
         self._flat_groups = EPGroups(Topology(topo.world_size, 1, topo.rank), groups.ep_ranks, groups.ep_group,
-                                     groups.ep_group, None)
+                                     groups.ep_group, None, groups.world_group)
         self.install_layout(contiguous_layout(self.num_experts, topo.nodes, topo.ranks_per_node).layer(0))
 
     def configure(self, settings: _Settings) -> None:
@@ -785,7 +785,8 @@ class LayerCore:
         """`[T, D]` weighted expert outputs for the router's `topk_ids_TK` (int, -1 = dropped) and
         `weights_TK`. `training`: the layer's mode; an eval forward runs the schedule and replica mode chosen (or,
         during `auto`'s trials, the leading candidate) without timing anything, so evaluations between training
-        steps do not count as trial steps. `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none);
+        steps do not count as trial steps, and adds nothing to the routing statistics (re-plans) or a trace (its
+        traffic is counted). `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none);
         `capacity_is_local`:
         it is this rank's value, DeepSpeed's is the largest over the EP group (the count exchange finds it,
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
@@ -825,10 +826,11 @@ class LayerCore:
             self.schedule_forwards[schedule] += 1
             replicas = self._replica_mode(schedule, x_TD.device, timed=training)
             self._last_run = (schedule, replicas)
-            # a layer that re-plans leave out needs no co-activation or samples (`layout_settled`)
-            self.stats.update(topk_ids_TK, planned=not self.layout_settled)
-            if self.trace_rows is not None:
-                self.trace_rows.append(topk_ids_TK.detach().cpu())
+            if training:  # the routing of training steps only: evaluations would move plans, token counts, traces
+                # a layer that re-plans leave out needs no co-activation or samples (`layout_settled`)
+                self.stats.update(topk_ids_TK, planned=not self.layout_settled)
+                if self.trace_rows is not None:
+                    self.trace_rows.append(topk_ids_TK.detach().cpu())
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
         fetched: list[ReplicaPlan] = []  # the replica plan this forward fetched weights for (none: no fetch)

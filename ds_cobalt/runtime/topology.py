@@ -15,7 +15,9 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+# the deepspeed launcher's LOCAL_SIZE first: under it, accelerate (the HF Trainer) on CPU writes LOCAL_WORLD_SIZE=1,
+# its default where none of the variables it reads is set (torchrun sets LOCAL_WORLD_SIZE and no LOCAL_SIZE)
+_LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
                     "SLURM_NTASKS_PER_NODE")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
@@ -59,6 +61,9 @@ class EPGroups:
     ep_group: dist.ProcessGroup | None
     rail_group: dist.ProcessGroup | None  # ranks with this local index on every node, in node order
     node_group: dist.ProcessGroup | None  # ranks of this node, in local order
+    # every rank of the job, with ds_cobalt's timeout: its job-wide collectives (re-plans, migrations' agreement,
+    # traces, checkpoint state) fail after `cobalt.topology.group_timeout_s` too (None: the default group)
+    world_group: dist.ProcessGroup | None = None
 
 
 def detect_ranks_per_node(world_size: int, override: int | None = None,
@@ -88,13 +93,14 @@ def detect_ranks_per_node(world_size: int, override: int | None = None,
 
 
 _GROUP_CACHE: dict[tuple, EPGroups] = {}
+_WORLD_GROUPS: dict[float | None, dist.ProcessGroup | None] = {}  # by timeout
 
 
 def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int,
                     timeout_s: float | None = None) -> EPGroups:
     """Create (once per EP layout) the rail and node groups for every EP group, and a copy of the EP group for
-    ds_cobalt's own collectives; return this rank's. `timeout_s`: their collectives' timeout (None: the
-    default group's).
+    ds_cobalt's own collectives, and (once per timeout) a copy of the world group; return this rank's.
+    `timeout_s`: their collectives' timeout (None: the default group's).
 
     `ranks_per_node` counts *global* ranks per node; nodes are blocks of consecutive global ranks,
     as the DeepSpeed launcher assigns them. Collective: every rank must call it in the same order.
@@ -112,6 +118,8 @@ def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int,
     ep_groups = sorted(set(all_ep))  # identical order on every rank
 
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    if timeout_s not in _WORLD_GROUPS:  # (first, so every rank creates the groups in the same order)
+        _WORLD_GROUPS[timeout_s] = dist.new_group(list(range(world)), timeout=timeout) if world > 1 else None
     mine: dict[str, dist.ProcessGroup | None] = {}
     topology = None
     for members in ep_groups:
@@ -126,7 +134,8 @@ def build_ep_groups(ep_group: dist.ProcessGroup | None, ranks_per_node: int,
         if members == my_ep_ranks:
             topology = Topology(len(members), per_node, members.index(dist.get_rank()))
     assert topology is not None
-    groups = EPGroups(topology, my_ep_ranks, mine.get("ep"), mine.get("rail"), mine.get("node"))
+    groups = EPGroups(topology, my_ep_ranks, mine.get("ep"), mine.get("rail"), mine.get("node"),
+                      _WORLD_GROUPS[timeout_s])
     _GROUP_CACHE[key] = groups
     return groups
 

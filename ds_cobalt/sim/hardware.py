@@ -16,6 +16,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from ..planner.files import write_text_atomically
+
 __all__ = [
     "HARDWARE_FORMAT", "Hardware", "ModelShape", "HARDWARE_PRESETS", "MODEL_SHAPES", "get_hardware",
     "get_model_shape", "load_hardware_json", "hardware_from_dict", "save_hardware_json", "parse_rate",
@@ -211,4 +213,4 @@ def load_hardware_json(path: str | Path) -> Hardware:
 
 def save_hardware_json(hw: Hardware, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(hw.to_json_dict(), indent=1) + "\n")
+    write_text_atomically(path, json.dumps(hw.to_json_dict(), indent=1) + "\n")

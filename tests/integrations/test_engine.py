@@ -403,7 +403,8 @@ def _eval_body(rank: int, world: int) -> dict:
         out = {"losses": losses, "chosen_after": chosen_after,
                "history": [[(h["forward"], h["schedule"]) for h in core.schedule_history]
                            for core in layer_cores(engine)],
-               "forwards": [core.forwards for core in layer_cores(engine)]}
+               "forwards": [core.forwards for core in layer_cores(engine)],
+               "load": [core.stats.load_E.tolist() for core in layer_cores(engine)]}
         engine.destroy()
         return out
 
@@ -412,7 +413,8 @@ def _eval_body(rank: int, world: int) -> dict:
 
 def test_eval_forwards_are_not_trial_steps(run_ranks) -> None:
     """Evaluations between training steps (eval mode, no gradients) run the leading or chosen schedule and time
-    nothing: `auto` makes its choices after the same optimizer steps as without them, and training is unchanged."""
+    nothing: `auto` makes its choices after the same optimizer steps as without them, training is unchanged, and
+    the routing statistics count the training forwards only."""
     import numpy as np
 
     for out in run_ranks(_eval_body, 4, ranks_per_node=2, timeout=300):
@@ -421,6 +423,8 @@ def test_eval_forwards_are_not_trial_steps(run_ranks) -> None:
         assert evaluated["forwards"] == [2 * f for f in plain["forwards"]]  # an eval forward before each step
         assert evaluated["chosen_after"] == plain["chosen_after"] and any(plain["chosen_after"]), out
         assert [[s for _, s in h] for h in evaluated["history"]] == [[s for _, s in h] for h in plain["history"]]
+        # nor routing statistics (what re-plans, their token counts and traces read): the training steps' alone
+        assert evaluated["load"] == plain["load"] and sum(map(sum, plain["load"])) > 0
 
 
 def _timeline_replanner(layers: list, cfg):
@@ -1046,6 +1050,21 @@ def _export_body(rank: int, world: int, out_dir: str) -> dict:
         migrate(accumulating, [random_owner_layout(np.random.default_rng(12)) for _ in range(2)])
     except ValueError as err:
         out["mid_window"] = str(err)
+    # the HF Trainer's (accelerate's) loop: the boundary set by hand and `step` once per optimizer step; migrate
+    # runs after every optimizer step (it refused every other one: `micro_steps` counts optimizer steps there)
+    import torch.distributed as dist
+    from test_migration import batch
+
+    managed = build_engine("cobalt", 0, extra={"gradient_accumulation_steps": 2},
+                           cobalt={"planner": {"replan_interval": 0}})
+    out["accelerate_loop"] = []
+    for step in range(3):
+        for micro in range(2):
+            managed.set_gradient_accumulation_boundary(micro == 1)
+            managed.backward(managed(*batch(2 * step + micro, dist.get_rank(), "fp32")))
+        managed.step()
+        report = migrate(managed, [random_owner_layout(np.random.default_rng(20 + step)) for _ in range(2)])
+        out["accelerate_loop"].append(report.ok)
     return out
 
 
@@ -1056,5 +1075,30 @@ def test_save_16bit_model_after_migrations_and_migrate_mid_accumulation(run_rank
     results = run_ranks(_export_body, 4, str(tmp_path), ranks_per_node=2, timeout=300)
     assert all(r["moved"] == 1 for r in results)
     assert results[0]["experts"] > 0 and results[0]["same"]
-    assert all("inside a gradient-accumulation window (micro-step 1 of gradient_accumulation_steps=2)"
+    assert all("inside a gradient-accumulation window (gradient_accumulation_steps=2: a backward ran"
                in r["mid_window"] for r in results)
+    assert all(r["accelerate_loop"] == [True, True, True] for r in results)
+
+
+def test_trace_path_is_checked_at_start_and_a_failed_write_does_not_stop_training(tmp_path, monkeypatch) -> None:
+    """`cobalt.trace.path` that rank 0 cannot write fails when the engine is made, naming the key (it failed at the
+    end of the trace window and took the job down); a write that fails later (a full disk) is logged and training
+    goes on."""
+    import torch
+
+    from ds_cobalt.integrations import trace
+
+    engine = torch.nn.Module()  # rank 0, no ds_cobalt layer: the recorder's own behaviour
+    engine.global_rank, engine.global_steps = 0, 0
+    (tmp_path / "a_file").write_text("x")
+    for bad in (tmp_path / "a_file" / "t.npz", tmp_path):
+        with pytest.raises(ValueError, match=r"cobalt\.trace\.path"):
+            trace.TraceRecorder(engine, bad, first=1, steps=2)
+    recorder = trace.TraceRecorder(engine, tmp_path / "new" / "t.npz", first=1, steps=2)  # missing dirs are made
+
+    def full_disk(model, path) -> None:
+        raise OSError(28, f"could not write {path}: No space left on device")
+
+    monkeypatch.setattr(trace, "save_trace", full_disk)
+    recorder._write(engine, "written")  # logged, not raised
+    assert recorder.done

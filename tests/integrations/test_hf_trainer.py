@@ -144,7 +144,7 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     template = json.loads((REPO_ROOT / "ds_config_templates" / "hf_autoep_cpu.json").read_text())
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({**template, "cobalt": FULL_COBALT}))
-    plain = _launch_example(tmp_path, "plain", config, "--no-cobalt")
+    plain = _launch_example(tmp_path, "plain", config, "--no-cobalt", "--save-steps", str(STEPS // 2))
     m = _launch_example(tmp_path, "cobalt", config, "--save-steps", str(STEPS // 2))
     assert m["world_size"] == 4 and m["cobalt"] is True and plain["cobalt"] is False
     assert len(m["losses"]) == STEPS and all(math.isfinite(x) for x in m["losses"])
@@ -164,6 +164,15 @@ def test_hf_trainer_example_under_deepspeed_launcher(tmp_path: Path) -> None:
     saved = tmp_path / "cobalt" / f"checkpoint-{STEPS // 2}" / f"global_step{STEPS // 2}"
     manifests = sorted(p.name for p in saved.glob("cobalt_state_rank*.json"))
     assert manifests == [f"cobalt_state_rank{r}.json" for r in range(4)]
+    # ... and its `model.safetensors` (`Trainer.save_model`: the module's state dict) holds the same experts under
+    # the same names as plain AutoEP's, after migrations (it held the migrated slots' experts, 0.15 apart)
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(tmp_path / run / f"checkpoint-{STEPS // 2}" / "model.safetensors")
+                    for run in ("cobalt", "plain"))
+    experts = [k for k in theirs if ".experts." in k]
+    assert experts and set(ours) == set(theirs)
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in experts) < 1e-4
     # Trainer.train(resume_from_checkpoint=...) from that checkpoint (taken in a migrated layout, replicas on):
     # the callback converts the engine before the Trainer's load, so the resumed steps repeat bit for bit
     resumed = _launch_example(tmp_path, "resumed", config, "--resume-from-checkpoint",

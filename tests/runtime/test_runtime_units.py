@@ -87,6 +87,8 @@ def test_device_stats_match_numpy_reference() -> None:
 
 def test_topology_detection_and_errors() -> None:
     assert detect_ranks_per_node(8, env={"LOCAL_WORLD_SIZE": "4"}) == 4
+    # the deepspeed launcher's LOCAL_SIZE wins over the LOCAL_WORLD_SIZE=1 that accelerate writes on CPU
+    assert detect_ranks_per_node(8, env={"LOCAL_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"}, rank=1) == 4
     assert detect_ranks_per_node(8, env={"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
     assert detect_ranks_per_node(8, override=2, env={"LOCAL_WORLD_SIZE": "8"}) == 2
     assert detect_ranks_per_node(6, env={}) == 6
