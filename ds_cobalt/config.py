@@ -275,6 +275,10 @@ def split_deepspeed_config(config: str | Path | dict) -> tuple[dict, CobaltConfi
         config = read_deepspeed_config(config)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a path or a dict, got {type(config).__name__}")
+    near = [key for key in config if isinstance(key, str) and key != SECTION
+            and key.strip().lower().replace("-", "_") in (SECTION, "ds_cobalt")]
+    if near:  # DeepSpeed ignores unknown top-level keys: the run would go on with the defaults, silently
+        raise ValueError(f"DeepSpeed config key {near[0]!r}: the ds_cobalt section is spelled {SECTION!r}")
     rest = {key: value for key, value in config.items() if key != SECTION}
     return rest, parse_cobalt_config(config.get(SECTION))
 

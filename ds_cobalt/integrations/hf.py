@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.utils import logger
 from transformers import Trainer, TrainerCallback
 
 from ..config import CobaltConfig, parse_cobalt_config, read_deepspeed_config, split_deepspeed_config
@@ -78,6 +79,7 @@ class CobaltCallback(TrainerCallback):
         self._hooked_engine: int | None = None
         self._previous: torch.Tensor | None = None
         self._reports_seen = 0
+        self._warned_no_layers = False
 
     # ----- Trainer events ------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs: Any) -> None:
@@ -113,6 +115,12 @@ class CobaltCallback(TrainerCallback):
         if engine is not None and self._hooked_engine != id(engine) and layer_cores(engine):
             CobaltEngine.adopt(engine, config)
             self._hooked_engine = id(engine)
+        elif target is not None and not layer_cores(target) and not self._warned_no_layers:
+            self._warned_no_layers = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                logger.warning("ds_cobalt: CobaltCallback found no MoE layer to run (no ds_cobalt.MoE in the model, "
+                               "and no AutoEP layers: AutoEP needs an \"expert_parallel\" section with \"enabled\": "
+                               "true in the DeepSpeed config); the \"cobalt\" section has no effect")
         peer_watch.install()  # every rank runs on_train_begin: a failing rank names the peer that died first
 
     def on_train_end(self, args, state, control, **kwargs: Any) -> None:
@@ -231,7 +239,10 @@ def _wrap_trainer_checkpoint_load(callback: "CobaltCallback") -> None:
 
     def load_checkpoint(deepspeed_engine, checkpoint_path, *args: Any, **kwargs: Any):
         live = ref()
-        if live is not None and getattr(deepspeed_engine, "module", None) is not None:
+        trainer = live._trainer() if live is not None and live._trainer is not None else None
+        # only the engine of the callback's own Trainer (another Trainer in the process may run without one)
+        if trainer is not None and getattr(trainer, "model_wrapped", None) is deepspeed_engine \
+                and getattr(deepspeed_engine, "module", None) is not None:
             live._adopt(deepspeed_engine, deepspeed_engine.module)
         return original(deepspeed_engine, checkpoint_path, *args, **kwargs)
 

@@ -143,6 +143,10 @@ def test_config_split_keeps_deepspeed_keys(tmp_path) -> None:
     encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8, "cobalt": {"planner": {"replan_interval": 7}}}')
     ds, cobalt = split_deepspeed_config(encoded.decode())
     assert ds == {"train_batch_size": 8} and cobalt.planner.replan_interval == 7
+    # a misspelled section would be ignored by DeepSpeed and run the defaults silently
+    for key in ("Cobalt", "ds_cobalt", "COBALT "):
+        with pytest.raises(ValueError, match=f"DeepSpeed config key '{key}': the ds_cobalt section is spelled"):
+            split_deepspeed_config({"train_batch_size": 8, key: {"planner": {"replan_interval": 7}}})
     with pytest.raises(ValueError, match="existing config file"):
         split_deepspeed_config(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="group_timeout_s"):
