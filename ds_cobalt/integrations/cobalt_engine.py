@@ -86,9 +86,16 @@ class CobaltEngine(DeepSpeedEngine):
         self.cobalt_accumulating = True  # gradients wait for the optimizer step (`migrate` refuses to run now)
         return super().backward(*args, **kwargs)
 
+    def _backward_prologue(self, *args: Any, **kwargs: Any) -> Any:
+        # DeepSpeed's hook on the forward's outputs: also a plain `loss.backward()` (torch-style, ZeRO-1/2/3)
+        self.cobalt_accumulating = True
+        return super()._backward_prologue(*args, **kwargs)
+
     def step(self, *args: Any, **kwargs: Any) -> Any:
         flush_pending(self)
-        boundary = self.is_gradient_accumulation_boundary()
+        # with managed_gradient_accumulation=false every `step` is the caller's boundary (DeepSpeed's own flag for
+        # it is set only inside `step`)
+        boundary = self.is_gradient_accumulation_boundary() or not self.managed_gradient_accumulation()
         out = super().step(*args, **kwargs)
         if boundary:
             # the optimizer stepped: no gradient is waiting. (DeepSpeed's own loop calls `step` after every
@@ -120,19 +127,16 @@ class CobaltEngine(DeepSpeedEngine):
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's `save_checkpoint`, then ds_cobalt's files beside it; DeepSpeed's `latest` file is written
-        last, once every rank has written all of its files, so an interrupted save (a killed rank, a full disk)
-        leaves `latest` on the checkpoint before it (DeepSpeed writes it at the end of its own part)."""
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, **kwargs: Any) -> Any:
+        """DeepSpeed's `save_checkpoint` (same signature: callers such as the HF Trainer inspect it), then
+        ds_cobalt's files beside it; DeepSpeed's `latest` file is written last, once every rank has written all of
+        its files, so an interrupted save (a killed rank, a full disk) leaves `latest` on the checkpoint before it
+        (DeepSpeed writes it at the end of its own part)."""
         flush_pending(self)
         save = super().save_checkpoint
-        if args:  # DeepSpeed's order: save_latest, exclude_frozen_parameters
-            save_latest, args = args[0], args[1:]
-        else:
-            save_latest = kwargs.pop("save_latest", True)
         # (a decoupled checkpoint engine commits after this returns, and writes `latest` then itself)
         own_latest = bool(save_latest) and not self.checkpoint_engine.is_decoupled()
-        args = (save_latest and not own_latest, *args)
+        args = (save_latest and not own_latest, exclude_frozen_parameters)
         migration = self.cobalt_config.migration if self.cobalt_config is not None else None
         if migration is None or not migration.checkpoint_logical_order:
             result = save(save_dir, tag, {} if client_state is None else client_state, *args, **kwargs)

@@ -228,22 +228,29 @@ class CobaltCallback(TrainerCallback):
         return wrapped if hasattr(wrapped, "zero_optimization_stage") else None  # a DeepSpeedEngine
 
 
+_CALLBACKS: "weakref.WeakSet[CobaltCallback]" = weakref.WeakSet()  # every live callback (one per Trainer)
+
+
 def _wrap_trainer_checkpoint_load(callback: "CobaltCallback") -> None:
     """Make the Trainer's resume load (`transformers.trainer.deepspeed_load_checkpoint`, called before
-    `on_train_begin`) convert the engine first, so that `CobaltEngine.load_checkpoint` does the load."""
+    `on_train_begin`) convert the engine first, so that `CobaltEngine.load_checkpoint` does the load. The patch is
+    the process's; it converts the engine of whichever live callback's Trainer owns it (none for a Trainer
+    without the callback)."""
     import transformers.trainer as trainer_module
 
+    _CALLBACKS.add(callback)
     current = trainer_module.deepspeed_load_checkpoint
-    original = getattr(current, "ds_cobalt_original", current)
-    ref = weakref.ref(callback)
+    if getattr(current, "ds_cobalt_original", None) is not None:
+        return
+    original = current
 
     def load_checkpoint(deepspeed_engine, checkpoint_path, *args: Any, **kwargs: Any):
-        live = ref()
-        trainer = live._trainer() if live is not None and live._trainer is not None else None
-        # only the engine of the callback's own Trainer (another Trainer in the process may run without one)
-        if trainer is not None and getattr(trainer, "model_wrapped", None) is deepspeed_engine \
-                and getattr(deepspeed_engine, "module", None) is not None:
-            live._adopt(deepspeed_engine, deepspeed_engine.module)
+        for live in list(_CALLBACKS):
+            trainer = live._trainer() if live._trainer is not None else None
+            if trainer is not None and getattr(trainer, "model_wrapped", None) is deepspeed_engine \
+                    and getattr(deepspeed_engine, "module", None) is not None:
+                live._adopt(deepspeed_engine, deepspeed_engine.module)
+                break
         return original(deepspeed_engine, checkpoint_path, *args, **kwargs)
 
     load_checkpoint.ds_cobalt_original = original

@@ -77,35 +77,59 @@ def save_replan_state(engine: Any, directory: str | os.PathLike) -> None:
         raise OSError(f"could not write {path}: {e}") from e
 
 
+MISSING, UNREADABLE = -1, -2  # a rank's status in `load_replan_state`'s agreement (else its file's step count)
+
+
 def load_replan_state(engine: Any, directory: str | os.PathLike) -> bool:
-    """Restore the replanner state from `directory`, on every rank or on none: where some ranks' files are missing
-    or do not apply (an interrupted save, a resharded resume), every rank starts its statistics fresh, as logged
-    (one all-reduce, so that no rank resubmits a plan the others do not). A truncated or foreign file raises
-    ValueError naming it."""
+    """Restore the replanner state from `directory`, on every rank or on none: where some ranks' files are missing,
+    do not apply (an interrupted save, a resharded resume) or come from different saves, every rank starts its
+    statistics fresh, as logged, so that no rank resubmits a plan the others do not. A truncated or foreign file
+    raises ValueError naming it, on every rank (the others name the rank). Collective: one all-reduce of every rank's
+    status, one of the restores' outcome."""
     hook = _stateful_hook(engine)
     if hook is None:
         return False
     rank, world = _rank_world()
+    group = job_group(hook.layers)
     path = replan_state_path(directory, rank)
-    loaded = _read(path, hook, rank) if path.exists() else None
-    present = torch.zeros(world, dtype=torch.int64)
-    present[rank] = loaded is not None
+    loaded, error = None, None
+    try:
+        loaded = _read(path, hook, rank) if path.exists() else None
+    except ValueError as e:
+        error = e
+    status = torch.zeros(world, dtype=torch.int64)
+    status[rank] = UNREADABLE if error is not None else MISSING if loaded is None else _saved_steps(loaded[1])
     if world > 1:
-        present = all_reduce_host(present, group=job_group(hook.layers))
-    missing = [r for r in range(world) if not present[r]]
-    if missing:
+        status = all_reduce_host(status, group=group)
+    unreadable = [r for r in range(world) if status[r] == UNREADABLE]
+    if unreadable:
+        raise error or ValueError(f"ds_cobalt: the replanner state of rank(s) {unreadable} in {directory} is "
+                                  "unreadable (their error names the file)")
+    missing = [r for r in range(world) if status[r] == MISSING]
+    if missing or len(set(status.tolist())) > 1:
         if rank == 0:
+            why = (f"missing or for another run shape on rank(s) {missing}" if missing else
+                   f"written at different steps {sorted(set(status.tolist()))} (files of different saves)")
             (logger.warning if len(missing) < world else logger.info)(
-                f"ds_cobalt: no replanner state in {directory} for rank(s) {missing} (files "
-                f"{replan_state_path(directory, missing[0]).name}...: missing or for another run shape); routing "
-                "statistics start fresh on every rank")
+                f"ds_cobalt: replanner state in {directory}: {why}; routing statistics start fresh on every rank")
         return False
     tensors, meta = loaded
+    restored = torch.ones(1, dtype=torch.int64)
     try:
         hook.restore(tensors, meta)
     except (KeyError, RuntimeError, ValueError) as e:
-        raise ValueError(f"{path}: inconsistent replanner state ({type(e).__name__}: {e})") from e
+        error, restored[0] = ValueError(f"{path}: inconsistent replanner state ({type(e).__name__}: {e})"), 0
+    if world > 1:
+        restored = all_reduce_host(restored, dist.ReduceOp.MIN, group)
+    if not int(restored[0]):
+        raise error or ValueError(f"ds_cobalt: the replanner state in {directory} is inconsistent on another rank "
+                                  "(its error names the file)")
     return True
+
+
+def _saved_steps(meta: dict) -> int:
+    steps = str(meta.get("global_steps", ""))
+    return int(steps) if steps.isdigit() else 0
 
 
 def _read(path: Path, hook: Any, rank: int) -> tuple[dict, dict] | None:
@@ -138,7 +162,8 @@ def write_latest(engine: Any, directory: str | os.PathLike, tag: Any) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
     if _rank_world()[0] == 0:
-        write_text_atomically(Path(directory) / "latest", tag_directory(directory, tag, engine.global_steps).name)
+        write_text_atomically(Path(directory) / "latest", str(tag) if tag is not None else
+                              f"global_step{engine.global_steps}")
     if dist.is_initialized():
         dist.barrier(group=group)
 

@@ -17,13 +17,16 @@ from deepspeed.utils import logger
 
 from ..planner.trace import Trace
 from ..planner.trace import save_trace as write_trace
+from ..runtime.comm import all_reduce_host
 from .layers import job_group, layer_cores
 
 
-def start_trace(model: torch.nn.Module) -> None:
-    """Start (or restart) recording the routing of every ds_cobalt layer of `model`."""
+def start_trace(model: torch.nn.Module, training_only: bool = False) -> None:
+    """Start (or restart) recording the routing of every ds_cobalt layer of `model`: of every forward, or of the
+    training-mode ones only (`cobalt.trace`, which records optimizer steps)."""
     for layer in layer_cores(model):
         layer.trace_rows = []
+        layer.trace_training_only = training_only
 
 
 def stop_trace(model: torch.nn.Module) -> None:
@@ -73,8 +76,7 @@ class TraceRecorder:
 
     def __init__(self, engine: torch.nn.Module, path: str | Path, first: int, steps: int) -> None:
         self.path, self.first, self.last = Path(path), first, first + steps
-        if engine.global_rank == 0:  # the rank that writes it: a bad path fails now, not after the window
-            _check_trace_path(self.path)
+        _check_trace_path_on_rank0(engine, self.path)  # a bad path fails now, on every rank, not after the window
         self.done = False
         self.started_at: int | None = None  # the step recording started after (None: not recording)
         self._next = 0  # the step count the next hook call expects while recording
@@ -112,7 +114,7 @@ class TraceRecorder:
                             f"[{self.started_at}, {step}) of [{self.first}, {self.last}) to {self.path}", warn=True)
 
     def _start(self, engine: torch.nn.Module, step: int) -> None:
-        start_trace(engine)
+        start_trace(engine, training_only=True)
         self.started_at, self._next = step, step + 1
         if engine.global_rank == 0:
             logger.info(f"ds_cobalt: recording the routing of steps [{self.first}, {self.last}) for {self.path}")
@@ -129,6 +131,22 @@ class TraceRecorder:
         stop_trace(engine)
         if engine.global_rank == 0:
             (logger.warning if warn else logger.info)(f"ds_cobalt: {message}")
+
+
+def _check_trace_path_on_rank0(engine: torch.nn.Module, path: Path) -> None:
+    """`_check_trace_path` on rank 0 (the rank that writes the trace); collective: every rank raises with it."""
+    error = None
+    if engine.global_rank == 0:
+        try:
+            _check_trace_path(path)
+        except ValueError as e:
+            error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = all_reduce_host(torch.tensor([int(error is not None)]), group=job_group(layer_cores(engine)))
+        if error is None and int(flag[0]):
+            error = ValueError(f"cobalt.trace.path {path} cannot be written by rank 0 (its error says why)")
+    if error is not None:
+        raise error
 
 
 def _check_trace_path(path: Path) -> None:

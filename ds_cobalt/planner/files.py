@@ -29,15 +29,21 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
         raise ValueError(f"{flag} {path}: not writable (read-only file system or no permission)")
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """`write(tmp_path)`, flush it to disk, rename over `path` (module docstring); the temporary file is removed
-    where anything fails, and the error names `path`."""
+def write_atomically(path: str | os.PathLike, write: Callable[[str], None], durable: bool = True) -> None:
+    """`write(tmp_path)`, flush it to disk (`durable`), rename over `path` (module docstring); the temporary file is
+    removed where anything fails, and the error names `path`. A symbolic link is written through (its target is
+    replaced); a path that is not a regular file (`/dev/stdout`, a pipe) is written directly."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        write(path)
+        return
+    path = os.path.realpath(path) if os.path.islink(path) else path
     tmp = path + ".tmp"
     try:
         write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from e

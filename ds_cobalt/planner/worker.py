@@ -62,7 +62,7 @@ def _atomic_savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
 
-    write_atomically(path, write)
+    write_atomically(path, write, durable=False)  # a request or result between two live processes
 
 
 def write_request(path: Path, layer_ids: list[int], stats: list[LayerStats], currents: list[np.ndarray],

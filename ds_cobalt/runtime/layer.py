@@ -205,6 +205,7 @@ class LayerCore:
         self.tuner = OverlapTuner()
         self.balance = BalanceCounters()  # per-GPU load of this node with and without stage 2 every step
         self.trace_rows: list[torch.Tensor] | None = None  # top-k ids per forward while a trace records
+        self.trace_training_only = False  # ... of training forwards only (`cobalt.trace`), or of every forward
         self._owner = weakref.ref(owner)
         self._pieces = pieces
         self._groups: EPGroups | None = None
@@ -785,10 +786,10 @@ class LayerCore:
         """`[T, D]` weighted expert outputs for the router's `topk_ids_TK` (int, -1 = dropped) and
         `weights_TK`. `training`: the layer's mode; an eval forward runs the schedule and replica mode chosen (or,
         during `auto`'s trials, the leading candidate) without timing anything, so evaluations between training
-        steps do not count as trial steps, and adds nothing to the routing statistics (re-plans) or a trace (its
-        traffic is counted). `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none);
-        `capacity_is_local`:
-        it is this rank's value, DeepSpeed's is the largest over the EP group (the count exchange finds it,
+        steps do not count as trial steps, and adds nothing to the routing statistics (re-plans) nor to
+        `cobalt.trace`'s trace (its traffic is counted; an explicit `start_trace` records every forward).
+        `deepspeed_capacity`: C of DeepSpeed's padded E x C buffers (0 = none); `capacity_is_local`: it is this
+        rank's value, DeepSpeed's is the largest over the EP group (the count exchange finds it,
         instead of the gate's all-reduce). `locations_TK`: each route's row in its expert's C rows (DeepSpeed's
         gate gives them; computed here otherwise), for the `dense` schedule."""
         topo = self.topology
@@ -826,11 +827,11 @@ class LayerCore:
             self.schedule_forwards[schedule] += 1
             replicas = self._replica_mode(schedule, x_TD.device, timed=training)
             self._last_run = (schedule, replicas)
-            if training:  # the routing of training steps only: evaluations would move plans, token counts, traces
+            if training:  # the routing of training steps only: evaluations would move plans and token counts
                 # a layer that re-plans leave out needs no co-activation or samples (`layout_settled`)
                 self.stats.update(topk_ids_TK, planned=not self.layout_settled)
-                if self.trace_rows is not None:
-                    self.trace_rows.append(topk_ids_TK.detach().cpu())
+            if self.trace_rows is not None and (training or not self.trace_training_only):
+                self.trace_rows.append(topk_ids_TK.detach().cpu())
         if replicas == "none":
             placement = self._bare[1] if flat else self._bare[0]
         fetched: list[ReplicaPlan] = []  # the replica plan this forward fetched weights for (none: no fetch)

@@ -5,6 +5,7 @@ missing on some ranks resumes with fresh statistics on every rank."""
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -52,17 +53,26 @@ def _resume_with_a_missing_replan_file(rank: int, world: int, root: str) -> dict
     from ds_cobalt.integrations.replan_state import replan_state_path
 
     engine = build_engine("cobalt", 1, cobalt=COBALT)
-    train(engine, range(5))  # the plan gathered after step 4 is in flight at the save (applied after step 6)
+    train(engine, range(3))
+    engine.save_checkpoint(root)
+    train(engine, range(3, 5))  # the plan gathered after step 4 is in flight at the save (applied after step 6)
     engine.save_checkpoint(root)
     engine.destroy()
-    dist.barrier()
-    if rank == 1:
-        os.remove(replan_state_path(os.path.join(root, "global_step5"), 1))
-    dist.barrier()
-    engine = build_engine("cobalt", 1, cobalt=COBALT)
-    engine.load_checkpoint(root)
-    replanner = next(h for h in engine.cobalt_step_hooks if type(h).__name__ == "Replanner")
-    out = {"pending": replanner._pending is not None, "step": engine.global_steps}
+    out: dict = {}
+    mine = replan_state_path(os.path.join(root, "global_step5"), 1)
+    for case in ("other save", "missing"):
+        dist.barrier()
+        if rank == 1 and case == "other save":  # rank 1's file from the save after step 3
+            shutil.copy(replan_state_path(os.path.join(root, "global_step3"), 1), mine)
+        if rank == 1 and case == "missing":
+            os.remove(mine)
+        dist.barrier()
+        engine = build_engine("cobalt", 1, cobalt=COBALT)
+        engine.load_checkpoint(root)
+        replanner = next(h for h in engine.cobalt_step_hooks if type(h).__name__ == "Replanner")
+        out[case] = {"pending": replanner._pending is not None, "step": engine.global_steps}
+        if case == "other save":
+            engine.destroy()
     losses = train(engine, range(5, 11))  # past the step the lost plan would have been applied at, and a new plan
     out["finite"] = all(loss == loss for loss in losses)
     from ds_cobalt import cobalt_layers
@@ -75,6 +85,21 @@ def _resume_with_a_missing_replan_file(rank: int, world: int, root: str) -> dict
 def test_replan_files_missing_on_one_rank_start_every_rank_fresh(run_ranks: Any, tmp_path) -> None:
     res = run_ranks(_resume_with_a_missing_replan_file, 4, str(tmp_path), ranks_per_node=2, timeout=300)
     for r in res:
-        assert r["step"] == 5 and r["pending"] is False  # no rank resubmits the plan in flight at the save
+        # no rank resubmits the plan in flight at the save
+        assert r["other save"] == r["missing"] == {"pending": False, "step": 5}
         assert r["finite"] and r["layouts"] == res[0]["layouts"]
         assert r["replans"] == [10]  # the next plan (after step 8, from fresh statistics) is applied on every rank
+
+
+def test_latest_names_the_whole_tag(tmp_path) -> None:
+    """`latest` holds the tag as given (DeepSpeed's form), also one with a '/' in it."""
+    import torch
+
+    from ds_cobalt.integrations.replan_state import write_latest
+
+    engine = torch.nn.Module()
+    engine.global_steps = 7
+    write_latest(engine, tmp_path, "run1/step2")
+    assert (tmp_path / "latest").read_text() == "run1/step2"
+    write_latest(engine, tmp_path, None)
+    assert (tmp_path / "latest").read_text() == "global_step7"

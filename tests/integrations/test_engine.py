@@ -1065,6 +1065,20 @@ def _export_body(rank: int, world: int, out_dir: str) -> dict:
         managed.step()
         report = migrate(managed, [random_owner_layout(np.random.default_rng(20 + step)) for _ in range(2)])
         out["accelerate_loop"].append(report.ok)
+    # managed_gradient_accumulation=false: every `step` is the caller's boundary (migrate then runs, the hooks too)
+    unmanaged = build_engine("cobalt", 1, extra={"managed_gradient_accumulation": False},
+                             cobalt={"planner": {"replan_interval": 0}})
+    train(unmanaged, range(2))
+    out["unmanaged"] = migrate(unmanaged, [random_owner_layout(np.random.default_rng(30)) for _ in range(2)]).ok
+    # a torch-style `loss.backward()` (ZeRO-1) opens the window as `engine.backward` does
+    torch_style = build_engine("cobalt", 1, extra={"gradient_accumulation_steps": 2},
+                               cobalt={"planner": {"replan_interval": 0}})
+    (torch_style(*batch(0, dist.get_rank(), "fp32")) / 2).backward()
+    torch_style.step()  # micro-step 0 of 2
+    try:
+        migrate(torch_style, [random_owner_layout(np.random.default_rng(31)) for _ in range(2)])
+    except ValueError as err:
+        out["torch_style_mid_window"] = str(err)
     return out
 
 
@@ -1077,7 +1091,8 @@ def test_save_16bit_model_after_migrations_and_migrate_mid_accumulation(run_rank
     assert results[0]["experts"] > 0 and results[0]["same"]
     assert all("inside a gradient-accumulation window (gradient_accumulation_steps=2: a backward ran"
                in r["mid_window"] for r in results)
-    assert all(r["accelerate_loop"] == [True, True, True] for r in results)
+    assert all(r["accelerate_loop"] == [True, True, True] and r["unmanaged"] for r in results)
+    assert all("inside a gradient-accumulation window" in r["torch_style_mid_window"] for r in results)
 
 
 def test_trace_path_is_checked_at_start_and_a_failed_write_does_not_stop_training(tmp_path, monkeypatch) -> None:
