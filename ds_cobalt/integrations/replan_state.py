@@ -90,7 +90,7 @@ def load_replan_state(engine: Any, directory: str | os.PathLike) -> bool:
     if hook is None:
         return False
     rank, world = _rank_world()
-    group = job_group(hook.layers)
+    group = job_group(hook.layers) if world > 1 else None
     path = replan_state_path(directory, rank)
     loaded, error = None, None
     try:
@@ -158,7 +158,7 @@ def tag_directory(directory: str | os.PathLike, tag: Any, global_steps: int) -> 
 def write_latest(engine: Any, directory: str | os.PathLike, tag: Any) -> None:
     """Collective: once every rank is here (all its checkpoint files written), rank 0 points DeepSpeed's `latest`
     file at `tag` (atomically), as DeepSpeed's own save would."""
-    group = job_group(layer_cores(engine))
+    group = job_group(layer_cores(engine)) if dist.is_initialized() else None
     if dist.is_initialized():
         dist.barrier(group=group)
     if _rank_world()[0] == 0:
