@@ -91,6 +91,14 @@ class CobaltEngine(DeepSpeedEngine):
         self.cobalt_accumulating = True
         return super()._backward_prologue(*args, **kwargs)
 
+    def _take_model_step(self, *args: Any, **kwargs: Any) -> Any:
+        # the optimizer step (or its skip after an overflow): no gradient is waiting any more. Every loop reaches it
+        # at its boundary: DeepSpeed's (`step` after every micro-batch), the HF Trainer's (accelerate sets the
+        # boundary, `step` once per optimizer step), unmanaged accumulation, a pipeline's `train_batch`
+        out = super()._take_model_step(*args, **kwargs)
+        self.cobalt_accumulating = False
+        return out
+
     def step(self, *args: Any, **kwargs: Any) -> Any:
         flush_pending(self)
         # with managed_gradient_accumulation=false every `step` is the caller's boundary (DeepSpeed's own flag for
@@ -98,10 +106,6 @@ class CobaltEngine(DeepSpeedEngine):
         boundary = self.is_gradient_accumulation_boundary() or not self.managed_gradient_accumulation()
         out = super().step(*args, **kwargs)
         if boundary:
-            # the optimizer stepped: no gradient is waiting. (DeepSpeed's own loop calls `step` after every
-            # micro-batch, the HF Trainer / accelerate once per optimizer step after setting the boundary: this
-            # holds for both, where `micro_steps % gradient_accumulation_steps` counts only the first)
-            self.cobalt_accumulating = False
             if self._cobalt_cores is None:
                 self._cobalt_cores = layer_cores(self)
             for core in self._cobalt_cores:
