@@ -35,7 +35,7 @@ from deepspeed.utils import logger
 from ..planner.layout import contiguous_layout
 from .migration import flush_pending, migratable_layers, migrate, relink_optimizer_state
 from .portable import has_portable_state, load_portable_state, save_portable_state, saved_world_size
-from .replan_state import latest_tag_directory
+from .replan_state import checkpoint_tag, latest_tag_directory
 
 CLIENT_KEY = "ds_cobalt"
 FORMAT = "ds-cobalt/checkpoint-v1"
@@ -55,7 +55,7 @@ def save_checkpoint(engine: Any, save: Any, portable_state: bool, save_dir: str,
                     client_state: dict | None = None, *args: Any, **kwargs: Any) -> Any:
     """`save(save_dir, tag, client_state, ...)` (DeepSpeed's own save) in logical expert order; with
     `portable_state` also writes the world-size-independent state of `portable.py` beside it."""
-    tag = f"global_step{engine.global_steps}" if tag is None else tag  # DeepSpeed's default tag
+    tag = checkpoint_tag(tag, engine.global_steps)
     result = save_logical(engine, save, save_dir, tag, client_state, *args, **kwargs)
     if portable_state:
         save_portable_state(engine, os.path.join(save_dir, str(tag)))

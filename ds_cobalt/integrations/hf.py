@@ -245,12 +245,9 @@ def _wrap_trainer_checkpoint_load(callback: "CobaltCallback") -> None:
     original = current
 
     def load_checkpoint(deepspeed_engine, checkpoint_path, *args: Any, **kwargs: Any):
-        for live in list(_CALLBACKS):
-            trainer = live._trainer() if live._trainer is not None else None
-            if trainer is not None and getattr(trainer, "model_wrapped", None) is deepspeed_engine \
-                    and getattr(deepspeed_engine, "module", None) is not None:
-                live._adopt(deepspeed_engine, deepspeed_engine.module)
-                break
+        owner = next((live for live in list(_CALLBACKS) if live._engine() is deepspeed_engine), None)
+        if owner is not None and getattr(deepspeed_engine, "module", None) is not None:
+            owner._adopt(deepspeed_engine, deepspeed_engine.module)
         return original(deepspeed_engine, checkpoint_path, *args, **kwargs)
 
     load_checkpoint.ds_cobalt_original = original

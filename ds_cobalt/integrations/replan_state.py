@@ -34,7 +34,7 @@ from ..runtime.comm import all_reduce_host
 from .layers import job_group, layer_cores
 
 __all__ = ["FORMAT", "replan_state_path", "save_replan_state", "load_replan_state", "tag_directory",
-           "latest_tag_directory", "write_latest"]
+           "latest_tag_directory", "write_latest", "checkpoint_tag"]
 
 FORMAT = "ds-cobalt/replan-state-v1"
 
@@ -150,9 +150,14 @@ def _read(path: Path, hook: Any, rank: int) -> tuple[dict, dict] | None:
     return tensors, meta
 
 
+def checkpoint_tag(tag: Any, global_steps: int) -> str:
+    """The tag DeepSpeed saves under: `tag` as a string, or its default `global_step<N>`."""
+    return str(tag) if tag is not None else f"global_step{global_steps}"
+
+
 def tag_directory(directory: str | os.PathLike, tag: Any, global_steps: int) -> Path:
-    """The tag directory DeepSpeed writes: `tag`, or its default `global_step<N>`."""
-    return Path(directory) / (str(tag) if tag is not None else f"global_step{global_steps}")
+    """The tag directory DeepSpeed writes (`checkpoint_tag`)."""
+    return Path(directory) / checkpoint_tag(tag, global_steps)
 
 
 def write_latest(engine: Any, directory: str | os.PathLike, tag: Any) -> None:
@@ -162,8 +167,7 @@ def write_latest(engine: Any, directory: str | os.PathLike, tag: Any) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
     if _rank_world()[0] == 0:
-        write_text_atomically(Path(directory) / "latest", str(tag) if tag is not None else
-                              f"global_step{engine.global_steps}")
+        write_text_atomically(Path(directory) / "latest", checkpoint_tag(tag, engine.global_steps))
     if dist.is_initialized():
         dist.barrier(group=group)
 
